@@ -1,0 +1,29 @@
+"""kvpool: a native, tiered, distributed KV-cache store for LLM inference."""
+
+from kvpool.config import Config, load_config
+from kvpool.errors import (
+    ChunkSizeError,
+    ConfigError,
+    KVPoolError,
+    PoolClosedError,
+    UnknownNamespaceError,
+)
+from kvpool.keys import KVLayout, Namespace, chunk_keys
+from kvpool.pool import KVPool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChunkSizeError",
+    "Config",
+    "ConfigError",
+    "KVLayout",
+    "KVPool",
+    "KVPoolError",
+    "Namespace",
+    "PoolClosedError",
+    "UnknownNamespaceError",
+    "__version__",
+    "chunk_keys",
+    "load_config",
+]

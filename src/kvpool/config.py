@@ -1,0 +1,189 @@
+"""One settings model for kvpool: YAML file + ``KVPOOL_*`` environment overrides.
+
+Every knob is documented here with its default (``docs/config.md`` lists them too). Unknown
+keys and bad values raise ConfigError with a message naming the key, e.g. ``dram.capacity``.
+
+Environment overrides use a double underscore between section and key:
+``KVPOOL_DRAM__CAPACITY=8GiB``, ``KVPOOL_SSD__DURABILITY=durable``, ``KVPOOL_CACHE_DIR=/x``.
+``KVPOOL_CONFIG`` names the YAML file to load when no path is given.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from kvpool.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """``"4GiB"`` -> 4294967296. Accepts ints and strings with B/KiB/MiB/GiB/TiB (binary) or
+    KB/MB/GB/TB (decimal). Raises ValueError for anything else or a negative size."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative: {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"not a size: {value!r} (use e.g. 4GiB, 512MiB, 65536)")
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DramConfig(_Section):
+    """Host DRAM arena: one mmap carved into page-aligned slots per chunk size class."""
+
+    capacity: Size = Field(1 << 30, description="Arena size; a hard bound on DRAM use. 0 disables the DRAM tier.")
+    slab_size: Size = Field(64 << 20, description="Unit the arena hands to a size class; must be >= the largest chunk.")
+    eviction: Literal["lru", "s3fifo"] = Field("s3fifo", description="Eviction policy of each size class.")
+    shm_path: str | None = Field(None, description="Back the arena by this /dev/shm file (shared with local engine processes) instead of anonymous memory.")
+    put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot held by in-flight demotions before it is dropped (counted).")
+
+
+class SsdConfig(_Section):
+    """Local SSD tier: a log-structured engine of large segments written with O_DIRECT."""
+
+    enabled: bool = Field(True, description="Use the SSD tier.")
+    path: str | None = Field(None, description="Directory for segment files, or an existing block device / file used as one raw region. Default: <cache_dir>/ssd.")
+    capacity: Size = Field(8 << 30, description="Bytes of SSD space used (rounded down to whole segments, at least 2).")
+    segment_size: Size = Field(256 << 20, description="Segment size; eviction frees one whole segment at a time.")
+    durability: Literal["cache", "durable"] = Field("cache", description="cache: no fsync, a crash may lose recent records (never corrupts); durable: fdatasync before a put is acknowledged.")
+    io_threads: int = Field(4, ge=1, le=64, description="Threads running SSD reads/writes for batched calls.")
+    direct_io: Literal["auto", "on", "off"] = Field("auto", description="O_DIRECT: auto falls back to buffered IO with one warning where the file system refuses it; on fails instead.")
+    eviction: Literal["fifo", "second_chance"] = Field("second_chance", description="Oldest segment goes first; second_chance copies records read since written forward.")
+    copy_forward_fraction: float = Field(0.25, ge=0, le=0.9, description="At most this fraction of a segment is copied forward per eviction.")
+    admission: Literal["always", "second_use"] = Field("always", description="Which DRAM victims are written to SSD: all, or only chunks used at least twice.")
+    second_use_window: int = Field(65536, ge=1, description="Keys remembered by the second_use admission policy.")
+
+
+class PoolConfig(_Section):
+    """The embedded pool that composes the tiers."""
+
+    chunk_tokens: int = Field(256, ge=1, description="Default tokens per chunk for integrations.")
+    ssd_write: Literal["evict", "through"] = Field("evict", description="evict: DRAM victims are demoted to SSD; through: every put is also written to SSD (survives restarts).")
+    write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
+    write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")
+    promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")
+
+
+class Config(_Section):
+    """Top-level kvpool settings."""
+
+    cache_dir: str = Field(default_factory=lambda: str(_default_cache_dir()), description="Where embedded tiers keep their files.")
+    dram: DramConfig = Field(default_factory=lambda: DramConfig())
+    ssd: SsdConfig = Field(default_factory=lambda: SsdConfig())
+    pool: PoolConfig = Field(default_factory=lambda: PoolConfig())
+
+    def ssd_path(self) -> Path:
+        return Path(self.ssd.path).expanduser() if self.ssd.path else Path(self.cache_dir).expanduser() / "ssd"
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvpool"
+
+
+ENV_PREFIX = "KVPOOL_"
+_ENV_NOT_SETTINGS = {"KVPOOL_CONFIG"}
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _ENV_NOT_SETTINGS:
+            continue
+        path = name[len(ENV_PREFIX):].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: conflicts with another KVPOOL_ variable")
+        # YAML parsing turns "true"/"4"/"0.5" into the right scalar; sizes stay strings.
+        node[path[-1]] = yaml.safe_load(value) if value.strip() else value
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            merged[k] = _merge(dict(merged[k]), v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        lines.append(f"{key}: {msg}{shown}")
+    return f"invalid kvpool config ({source}): " + "; ".join(lines)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> Config:
+    """Validate a mapping. Raises ConfigError naming each bad or unknown key."""
+    try:
+        return Config.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load YAML (``path`` or ``$KVPOOL_CONFIG``; defaults if neither), then apply ``KVPOOL_*``
+    environment overrides, then ``overrides``.
+
+    Raises ConfigError for a missing or malformed file, unknown keys or bad values.
+    """
+    env = os.environ if environ is None else environ
+    path = path or env.get("KVPOOL_CONFIG")
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read kvpool config {path}: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"kvpool config {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"kvpool config {path} must be a mapping at the top level")
+        data = loaded or {}
+    env_over = _env_overrides(env)
+    if env_over:
+        source += " + KVPOOL_* environment"
+    data = _merge(data, env_over)
+    if overrides:
+        data = _merge(data, overrides)
+    return config_from_dict(data, source)

@@ -1,0 +1,47 @@
+"""Policies decide; the tiers move bytes. Each policy is a small object chosen by config name."""
+
+from kvpool.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondUseAdmission
+from kvpool.policy.base import EvictionPolicy
+from kvpool.policy.lru import LRUPolicy
+from kvpool.policy.s3fifo import S3FIFOPolicy
+from kvpool.policy.segments import FifoSegments, SecondChanceSegments, SegmentPolicy
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+SEGMENT_POLICIES: dict[str, type[SegmentPolicy]] = {
+    "fifo": FifoSegments,
+    "second_chance": SecondChanceSegments,
+}
+
+
+def make_eviction_policy(name: str) -> EvictionPolicy:
+    """Raises ValueError for an unknown policy name."""
+    try:
+        return EVICTION_POLICIES[name]()
+    except KeyError:
+        known = sorted(EVICTION_POLICIES)
+        raise ValueError(f"unknown eviction policy {name!r}; known: {known}") from None
+
+
+def make_admission_policy(name: str, window: int = 65536) -> AdmissionPolicy:
+    """Raises ValueError for an unknown policy name."""
+    if name == "always":
+        return AlwaysAdmit()
+    if name == "second_use":
+        return SecondUseAdmission(window)
+    raise ValueError(f"unknown admission policy {name!r}; known: ['always', 'second_use']")
+
+
+def make_segment_policy(name: str) -> SegmentPolicy:
+    """Raises ValueError for an unknown policy name."""
+    try:
+        return SEGMENT_POLICIES[name]()
+    except KeyError:
+        known = sorted(SEGMENT_POLICIES)
+        raise ValueError(f"unknown SSD eviction policy {name!r}; known: {known}") from None
+
+
+__all__ = [
+    "AdmissionPolicy", "AlwaysAdmit", "EvictionPolicy", "FifoSegments", "LRUPolicy",
+    "S3FIFOPolicy", "SecondChanceSegments", "SecondUseAdmission", "SegmentPolicy",
+    "make_admission_policy", "make_eviction_policy", "make_segment_policy",
+]

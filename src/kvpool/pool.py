@@ -1,0 +1,251 @@
+"""KVPool: the embedded pool that composes DRAM and SSD behind one API (DESIGN.md sections 4-5).
+
+Reads go DRAM -> write-behind staging -> SSD; an SSD hit is promoted to DRAM. Puts land in
+DRAM; DRAM victims (or, with ``pool.ssd_write: through``, every put) are written to SSD by the
+bounded write-behind queue, as the admission policy allows.
+
+Failure contract: misses are values (False / 0). Faults of the media (bad checksum, IO errors,
+full staging) become misses or dropped saves, counted in ``stats()``. Misuse raises:
+ChunkSizeError (wrong buffer size), UnknownNamespaceError (namespace not registered),
+PoolClosedError (after close), ValueError (malformed key or buffer).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.config import Config, load_config
+from kvpool.errors import ChunkSizeError, PoolClosedError, UnknownNamespaceError
+from kvpool.keys import KEY_BYTES, Namespace
+from kvpool.policy import AdmissionPolicy, make_admission_policy
+from kvpool.ssd.engine import SsdEngine
+from kvpool.tiers.dram import DramTier, byte_view
+from kvpool.writebehind import WriteBehind
+
+
+class KVPool:
+    """Embedded (in-process) pool. ``KVPool()`` uses the YAML config named by $KVPOOL_CONFIG
+    (or the defaults) with ``KVPOOL_*`` overrides; pass a Config to be explicit."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config if config is not None else load_config()
+        cfg = self.config
+        self._namespaces: dict[bytes, Namespace] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counters = dict.fromkeys(("lookups", "lookup_hit_chunks", "dram_hits",
+                                        "staged_hits", "ssd_hits", "misses", "promotions"), 0)
+        self._admission: AdmissionPolicy = make_admission_policy(cfg.ssd.admission,
+                                                                 cfg.ssd.second_use_window)
+        self._ssd: SsdEngine | None = None
+        self._wb: WriteBehind | None = None
+        self._dram: DramTier | None = None
+        if cfg.ssd.enabled:
+            s = cfg.ssd
+            self._ssd = SsdEngine(cfg.ssd_path(), s.capacity, s.segment_size, s.durability,
+                                  s.io_threads, s.direct_io, s.eviction,
+                                  s.copy_forward_fraction)
+            self._wb = WriteBehind(self._ssd, cfg.pool.write_behind_bytes,
+                                   cfg.pool.write_behind_batch)
+        if cfg.dram.capacity > 0:
+            d = cfg.dram
+            try:
+                self._dram = DramTier(d.capacity, d.slab_size, d.eviction, d.shm_path,
+                                      on_evict=self._demote, put_wait_s=d.put_wait_s)
+            except BaseException:
+                self._close_lower()
+                raise
+
+    # ------------------------------------------------------------------ namespaces
+    def register_namespace(self, ns: Namespace) -> Namespace:
+        """Make a namespace usable. Idempotent. Raises ValueError if its chunk cannot fit a
+        DRAM slab or an SSD segment."""
+        self._check_open()
+        if self._dram is not None:
+            self._dram.check_chunk_size(ns.chunk_bytes)
+        if self._ssd is not None and ns.chunk_bytes > self._ssd.max_payload:
+            raise ValueError(f"chunk of {ns.chunk_bytes} bytes does not fit ssd.segment_size="
+                             f"{self._ssd.segment_size}")
+        with self._lock:
+            self._namespaces[ns.id] = ns
+        return ns
+
+    def _registered(self, ns: Namespace) -> Namespace:
+        self._check_open()
+        if ns.id not in self._namespaces:
+            raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
+                                        "registered; call register_namespace first")
+        return ns
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("KVPool is closed")
+
+    @staticmethod
+    def _check_key(key: bytes) -> None:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(f"chunk key must be {KEY_BYTES} bytes")
+
+    @staticmethod
+    def _check_size(ns: Namespace, view: memoryview, what: str) -> None:
+        if view.nbytes != ns.chunk_bytes:
+            raise ChunkSizeError(f"{what} has {view.nbytes} bytes; namespace {ns.model!r} "
+                                 f"chunks have {ns.chunk_bytes}")
+
+    # ------------------------------------------------------------------ writes
+    def _demote(self, key: bytes, ns: Namespace, payload: memoryview, hits: int,
+                on_lower: bool) -> None:
+        if self._wb is not None and not on_lower and self._admission.admit(key, hits):
+            self._wb.offer(key, ns, payload)
+
+    def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
+        """Store one chunk (idempotent: chunks are immutable). True if a tier took it; False if
+        it was dropped under overload (counted)."""
+        self._registered(ns)
+        self._check_key(key)
+        view = byte_view(data)
+        self._check_size(ns, view, "data")
+        through = self.config.pool.ssd_write == "through" or self._dram is None
+        staged = self._wb.offer(key, ns, view) if through and self._wb is not None else False
+        if self._dram is not None:
+            return self._dram.put(key, ns, view, on_lower=staged)
+        return staged
+
+    def put_many(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
+        """Store several chunks; returns how many were stored."""
+        if len(keys) != len(datas):
+            raise ValueError("keys and datas differ in length")
+        return sum(self.put(ns, k, d) for k, d in zip(keys, datas, strict=True))
+
+    # ------------------------------------------------------------------ reads
+    def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
+        """Copy a chunk's payload into ``out`` (exactly ns.chunk_bytes, writable). False on a
+        miss; on a miss the contents of ``out`` are unspecified."""
+        return self.get_many_into(ns, [key], [out])[0]
+
+    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                      outs: Sequence[Any]) -> list[bool]:
+        """Batched get_into: DRAM first, then staged writes, then parallel SSD reads (hits are
+        promoted to DRAM)."""
+        self._registered(ns)
+        if len(keys) != len(outs):
+            raise ValueError("keys and outs differ in length")
+        views = [byte_view(o, writable=True) for o in outs]
+        for key, view in zip(keys, views, strict=True):
+            self._check_key(key)
+            self._check_size(ns, view, "output buffer")
+        found = [False] * len(keys)
+        pending: list[int] = []
+        for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+            if self._dram is not None and self._dram.get_into(key, view):
+                found[i] = True
+                self._counters["dram_hits"] += 1
+            elif self._wb is not None and self._wb.get_into(key, view):
+                found[i] = True
+                self._counters["staged_hits"] += 1
+            else:
+                pending.append(i)
+        if pending and self._ssd is not None:
+            got = self._ssd.get_many_into([keys[i] for i in pending], [views[i] for i in pending])
+            for i, hit in zip(pending, got, strict=True):
+                if not hit:
+                    continue
+                found[i] = True
+                self._counters["ssd_hits"] += 1
+                if self._dram is not None and self.config.pool.promote_on_hit:
+                    self._dram.put(keys[i], ns, views[i], on_lower=True)
+                    self._counters["promotions"] += 1
+        self._counters["misses"] += found.count(False)
+        return found
+
+    def _present(self, key: bytes) -> bool:
+        return ((self._dram is not None and self._dram.contains(key))
+                or (self._wb is not None and self._wb.contains(key))
+                or (self._ssd is not None and self._ssd.contains(key)))
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Length of the longest leading run of ``keys`` present in any tier."""
+        self._registered(ns)
+        self._counters["lookups"] += 1
+        n = 0
+        for key in keys:
+            if not self._present(key):
+                break
+            n += 1
+        self._counters["lookup_hit_chunks"] += n
+        return n
+
+    def contains(self, ns: Namespace, key: bytes) -> bool:
+        self._registered(ns)
+        return self._present(key)
+
+    # ------------------------------------------------------------------ removal
+    def delete(self, ns: Namespace, key: bytes) -> bool:
+        """Remove a chunk from every tier; True if any tier held it."""
+        self._registered(ns)
+        removed = False
+        if self._dram is not None:
+            removed |= self._dram.delete(key)
+        if self._wb is not None:
+            removed |= self._wb.contains(key)
+            self._wb.discard(key)
+            self._wb.flush()  # a chunk already being written must land before its tombstone
+        if self._ssd is not None:
+            removed |= self._ssd.delete(key)
+        return removed
+
+    def invalidate(self, ns: Namespace | bytes) -> int:
+        """Drop every chunk of a namespace in every tier (persisted on SSD). Accepts a
+        Namespace or a 16-byte namespace id, registered or not. Returns chunks dropped."""
+        self._check_open()
+        ns_id = ns.id if isinstance(ns, Namespace) else bytes(ns)
+        dropped = 0
+        if self._dram is not None:
+            dropped += self._dram.invalidate(ns_id)
+        if self._wb is not None:
+            self._wb.discard_namespace(ns_id)
+            self._wb.flush()
+        if self._ssd is not None:
+            dropped += self._ssd.invalidate(ns_id)
+        return dropped
+
+    # ------------------------------------------------------------------ admin
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the write-behind queue to drain; False on timeout."""
+        self._check_open()
+        return self._wb.flush(timeout) if self._wb is not None else True
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per tier: hits, misses, evictions, checksum failures, dropped saves..."""
+        self._check_open()
+        out: dict[str, Any] = {"pool": dict(self._counters)}
+        if self._dram is not None:
+            out["dram"] = self._dram.stats()
+        if self._wb is not None:
+            out["write_behind"] = self._wb.stats()
+        if self._ssd is not None:
+            out["ssd"] = self._ssd.stats()
+        return out
+
+    def _close_lower(self) -> None:
+        if self._wb is not None:
+            self._wb.close()
+        if self._ssd is not None:
+            self._ssd.close()
+
+    def close(self) -> None:
+        """Write staged chunks to SSD, then release every tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._dram is not None:
+            self._dram.close()
+        self._close_lower()
+
+    def __enter__(self) -> KVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,94 @@
+"""The on-media record format (DESIGN.md section 3).
+
+A record is a 4 KiB header block followed by the payload padded to 4 KiB. The header block
+starts with a fixed 128-byte header (below) and is zero after it; the payload therefore starts
+page-aligned on disk, so an O_DIRECT read can land in a DRAM slot or caller buffer directly.
+
+Header (little-endian):
+    magic b"KVPR" | version u16 | flags u16 | key 16s | namespace id 16s | layout id u64 |
+    payload length u64 | seq u64 | payload xxh3-64 u64 | reserved (48 zero bytes) |
+    header xxh3-64 u64 (over the 120 bytes before it)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvpool.errors import CorruptRecordError
+
+BLOCK = 4096
+HEADER_BLOCK = BLOCK
+MAGIC = b"KVPR"
+VERSION = 1
+HEADER_SIZE = 128
+
+FLAG_TOMBSTONE = 1  # deletes `key`
+FLAG_NS_TOMBSTONE = 2  # invalidates every earlier record of `namespace_id`
+
+_BODY = struct.Struct("<4sHH16s16sQQQQ48x")
+_CHECK = struct.Struct("<Q")
+assert _BODY.size + _CHECK.size == HEADER_SIZE
+
+
+def round_up(n: int, to: int = BLOCK) -> int:
+    return (n + to - 1) // to * to
+
+
+def record_size(payload_len: int) -> int:
+    """Bytes one record occupies on media: header block + payload padded to 4 KiB."""
+    return HEADER_BLOCK + round_up(payload_len)
+
+
+def payload_checksum(payload: memoryview | bytes) -> int:
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    key: bytes
+    namespace_id: bytes
+    layout_id: int
+    payload_len: int
+    seq: int
+    checksum: int
+    flags: int = 0
+
+    @property
+    def is_tombstone(self) -> bool:
+        return bool(self.flags & (FLAG_TOMBSTONE | FLAG_NS_TOMBSTONE))
+
+    def pack_into(self, buf: memoryview | bytearray, offset: int = 0) -> None:
+        """Write the 128-byte header at ``buf[offset:]``; the rest of the block is untouched."""
+        _BODY.pack_into(buf, offset, MAGIC, VERSION, self.flags, self.key, self.namespace_id,
+                        self.layout_id, self.payload_len, self.seq, self.checksum)
+        body = memoryview(buf)[offset:offset + _BODY.size]
+        _CHECK.pack_into(buf, offset + _BODY.size, xxhash.xxh3_64_intdigest(body))
+
+    def pack(self) -> bytes:
+        buf = bytearray(HEADER_SIZE)
+        self.pack_into(buf)
+        return bytes(buf)
+
+
+def unpack_header(buf: memoryview | bytes, offset: int = 0) -> RecordHeader:
+    """Parse and validate a header.
+
+    Raises CorruptRecordError if the magic, version or header checksum is wrong (a torn,
+    stale or never-written block reads as corrupt, never as a record).
+    """
+    view = memoryview(buf)[offset:offset + HEADER_SIZE]
+    if len(view) < HEADER_SIZE:
+        raise CorruptRecordError("short header")
+    if bytes(view[:4]) != MAGIC:
+        raise CorruptRecordError("bad magic")
+    (stored,) = _CHECK.unpack_from(view, _BODY.size)
+    if xxhash.xxh3_64_intdigest(view[:_BODY.size]) != stored:
+        raise CorruptRecordError("header checksum mismatch")
+    _, version, flags, key, ns, layout_id, length, seq, checksum = _BODY.unpack_from(view)
+    if version != VERSION:
+        raise CorruptRecordError(f"unsupported record version {version}")
+    return RecordHeader(key=key, namespace_id=ns, layout_id=layout_id, payload_len=length,
+                        seq=seq, checksum=checksum, flags=flags)

@@ -1,0 +1,81 @@
+"""Aligned buffers and O_DIRECT file handles.
+
+O_DIRECT needs every buffer address, length and file offset aligned to the logical block size;
+kvpool aligns everything to 4 KiB. Anonymous mmaps are page-aligned, so they serve as staging
+buffers and DRAM slots alike.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+from typing import Literal
+
+import numpy as np
+
+from kvpool.record import BLOCK
+
+log = logging.getLogger("kvpool.ssd")
+_warned_fallback = False
+
+DirectMode = Literal["auto", "on", "off"]
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A zero-filled, page-aligned anonymous buffer of at least one block."""
+    return mmap.mmap(-1, max(BLOCK, (nbytes + BLOCK - 1) // BLOCK * BLOCK))
+
+
+def buffer_address(view: memoryview) -> int:
+    """Address of a buffer's first byte (works for read-only buffers too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def is_direct_capable(view: memoryview) -> bool:
+    """True if ``view`` can be handed to O_DIRECT IO as is (address and length aligned)."""
+    return len(view) % BLOCK == 0 and buffer_address(view) % BLOCK == 0
+
+
+class DirectIOUnsupported(OSError):
+    pass
+
+
+def open_file(path: str, size: int | None, mode: DirectMode) -> tuple[int, bool]:
+    """Open (creating and preallocating to ``size`` when given) for aligned IO.
+
+    Returns (fd, uses_o_direct). With ``mode="auto"`` a file system that refuses O_DIRECT
+    (tmpfs on older kernels, some FUSE mounts) gets buffered IO and one warning per process;
+    with ``"on"`` it raises DirectIOUnsupported. Raises OSError (e.g. ENOSPC) if the file
+    cannot be created or preallocated.
+    """
+    global _warned_fallback
+    flags = os.O_RDWR | (os.O_CREAT if size is not None else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size is not None and os.fstat(fd).st_size < size:
+            os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    if mode == "off":
+        return fd, False
+    try:
+        dfd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        probe = aligned_buffer(BLOCK)
+        os.preadv(dfd, [probe], 0)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            os.close(fd)
+            raise
+        if mode == "on":
+            os.close(fd)
+            raise DirectIOUnsupported(exc.errno, f"{path}: file system refuses O_DIRECT") from None
+        if not _warned_fallback:
+            log.warning("O_DIRECT is not supported for %s; using buffered IO (reads may be "
+                        "served from the page cache)", path)
+            _warned_fallback = True
+        return fd, False
+    os.close(fd)
+    return dfd, True

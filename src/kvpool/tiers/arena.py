@@ -1,0 +1,110 @@
+"""The DRAM arena: one mmap carved into slabs, each slab into equal page-aligned slots.
+
+PagedAttention's lesson applied to host memory: every chunk of a size class takes one slot of
+exactly its (4 KiB-rounded) size, so there is no fragmentation and alloc/free are O(1) list
+operations. Slabs move between size classes only when a class is empty and must steal (the
+tier evicts the slab's residents first). Not thread-safe: the owning tier locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass, field
+
+from kvpool.record import BLOCK, round_up
+
+
+@dataclass
+class SizeClass:
+    slot_size: int
+    free: list[int] = field(default_factory=list)  # slot offsets
+    slabs: list[int] = field(default_factory=list)  # slab offsets owned
+    used: int = 0
+
+
+class SlotArena:
+    """Raises ValueError if capacity or slab size is not positive and page-aligned, and OSError
+    if the backing memory cannot be mapped."""
+
+    def __init__(self, capacity: int, slab_size: int, shm_path: str | None = None) -> None:
+        if slab_size <= 0 or slab_size % BLOCK:
+            raise ValueError(f"dram.slab_size must be a positive multiple of {BLOCK}")
+        slabs = capacity // slab_size
+        if slabs < 1:
+            raise ValueError(f"dram.capacity={capacity} is smaller than one dram.slab_size="
+                             f"{slab_size}")
+        self.slab_size = slab_size
+        self.capacity = slabs * slab_size
+        self._shm_path = shm_path
+        if shm_path:
+            fd = os.open(shm_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, self.capacity)
+                self._map = mmap.mmap(fd, self.capacity, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        else:
+            self._map = mmap.mmap(-1, self.capacity, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buffer = memoryview(self._map)
+        self._free_slabs = list(range(self.capacity - slab_size, -1, -slab_size))
+        self.classes: dict[int, SizeClass] = {}
+
+    def slot_size_for(self, nbytes: int) -> int:
+        """Slot size for a payload; raises ValueError if it cannot fit a slab."""
+        size = round_up(max(nbytes, 1))
+        if size > self.slab_size:
+            raise ValueError(f"chunk of {nbytes} bytes exceeds dram.slab_size={self.slab_size}; "
+                             "raise dram.slab_size")
+        return size
+
+    def size_class(self, slot_size: int) -> SizeClass:
+        cls = self.classes.get(slot_size)
+        if cls is None:
+            cls = self.classes[slot_size] = SizeClass(slot_size)
+        return cls
+
+    def alloc(self, slot_size: int) -> int | None:
+        """A free slot's offset, taking a free slab if needed; None if the class is full and
+        no slab is free (the caller evicts, or steals a slab)."""
+        cls = self.size_class(slot_size)
+        if not cls.free and self._free_slabs:
+            self.give_slab(cls, self._free_slabs.pop())
+        if not cls.free:
+            return None
+        cls.used += 1
+        return cls.free.pop()
+
+    def free(self, slot_size: int, offset: int) -> None:
+        cls = self.classes[slot_size]
+        cls.used -= 1
+        cls.free.append(offset)
+
+    def give_slab(self, cls: SizeClass, slab: int) -> None:
+        per = self.slab_size // cls.slot_size
+        cls.slabs.append(slab)
+        cls.free.extend(range(slab + (per - 1) * cls.slot_size, slab - 1, -cls.slot_size))
+
+    def take_slab(self, cls: SizeClass, slab: int) -> None:
+        """Remove an (entirely free) slab from a class; its slots must all be on the free list."""
+        end = slab + self.slab_size
+        cls.free = [o for o in cls.free if not slab <= o < end]
+        cls.slabs.remove(slab)
+
+    def slab_of(self, offset: int) -> int:
+        return offset - offset % self.slab_size
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return self.buffer[offset:offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap. If views are still exported the mapping stays until they are collected."""
+        try:
+            self.buffer.release()
+            self._map.close()
+        except BufferError:
+            pass
+        if self._shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._shm_path)

@@ -1,0 +1,320 @@
+"""The DRAM tier: chunks in slots of a SlotArena, indexed by key, evicted by a policy object.
+
+Failure contract: a miss is False; a put that finds no slot (everything pinned) within
+``put_wait_s`` is dropped and counted (False), never blocks longer; misuse raises.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import ChunkSizeError, PoolClosedError
+from kvpool.keys import Namespace
+from kvpool.policy import EvictionPolicy, make_eviction_policy
+from kvpool.tiers.arena import SlotArena
+
+#: Called with (key, namespace, payload view, reads while resident, already on a lower tier)
+#: for every evicted chunk, outside the tier's lock; the view is valid only during the call.
+EvictHook = Callable[[bytes, Namespace, memoryview, int, bool], None]
+
+
+@dataclass(slots=True)
+class _Entry:
+    offset: int
+    slot_size: int
+    nbytes: int
+    ns: Namespace
+    hits: int = 0
+    pins: int = 0
+    on_lower: bool = False
+    doomed: bool = False  # deleted while pinned: free the slot at the last unpin
+
+
+def byte_view(buf: Any, writable: bool = False) -> memoryview:
+    """A flat byte view of any C-contiguous buffer; raises ValueError otherwise."""
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError("output buffer is read-only")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+class PinnedView:
+    """A zero-copy, read-only view of a DRAM slot. The slot cannot be evicted or reused until
+    ``release()`` (or the end of a ``with`` block); using ``data`` after that is a bug."""
+
+    __slots__ = ("_entry", "_released", "_tier", "data")
+
+    def __init__(self, tier: DramTier, entry: _Entry, data: memoryview) -> None:
+        self._tier, self._entry, self.data = tier, entry, data
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.data.release()
+            self._tier._unpin(self._entry)
+
+    def __enter__(self) -> PinnedView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class DramTier:
+    """Thread-safe. Raises ValueError for a bad geometry (see SlotArena)."""
+
+    def __init__(self, capacity: int, slab_size: int = 64 << 20, eviction: str = "s3fifo",
+                 shm_path: str | None = None, on_evict: EvictHook | None = None,
+                 put_wait_s: float = 1.0) -> None:
+        self._arena = SlotArena(capacity, slab_size, shm_path)
+        self._eviction = eviction
+        make_eviction_policy(eviction)  # validate the name now, not at the first eviction
+        self._policies: dict[int, EvictionPolicy] = {}
+        self._entries: dict[bytes, _Entry] = {}
+        self._doomed: dict[int, _Entry] = {}  # deleted while pinned, by slot offset
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._on_evict = on_evict
+        self._put_wait_s = put_wait_s
+        self._closed = False
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("puts", "put_bytes", "hits", "misses", "evictions", "dropped_puts",
+             "slab_steals"), 0)
+
+    @property
+    def capacity(self) -> int:
+        return self._arena.capacity
+
+    def check_chunk_size(self, nbytes: int) -> None:
+        """Raises ValueError if a chunk of ``nbytes`` can never fit this arena."""
+        self._arena.slot_size_for(nbytes)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("DRAM tier is closed")
+
+    def _policy(self, slot_size: int) -> EvictionPolicy:
+        policy = self._policies.get(slot_size)
+        if policy is None:
+            policy = self._policies[slot_size] = make_eviction_policy(self._eviction)
+        return policy
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: bytes, ns: Namespace, data: Any, on_lower: bool = False) -> bool:
+        """Copy a chunk into a slot, evicting by policy if needed. True if stored (or already
+        present: chunks are immutable); False if dropped because every slot stayed pinned for
+        ``put_wait_s`` (counted). ``on_lower`` marks a chunk a lower tier already holds, so
+        its eviction needs no demotion."""
+        view = byte_view(data)
+        slot_size = self._arena.slot_size_for(view.nbytes)
+        evicted: list[tuple[bytes, _Entry]] = []
+        with self._lock:
+            self._check_open()
+            existing = self._entries.get(key)
+            if existing is not None:
+                existing.on_lower |= on_lower
+                self._policy(slot_size).touch(key)
+                return True
+            offset = self._alloc_locked(slot_size, evicted)
+        self._hand_over(evicted)
+        if offset is None:
+            self._counters["dropped_puts"] += 1
+            return False
+        entry = _Entry(offset, slot_size, view.nbytes, ns, on_lower=on_lower)
+        self._arena.view(offset, view.nbytes)[:] = view
+        with self._lock:
+            if key in self._entries or self._closed:  # a concurrent put of the same chunk won
+                self._release_slot(entry)
+                return True
+            self._entries[key] = entry
+            self._policy(slot_size).insert(key)
+            self._counters["puts"] += 1
+            self._counters["put_bytes"] += view.nbytes
+        return True
+
+    def _alloc_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]]) -> int | None:
+        deadline: float | None = None
+        while True:
+            offset = self._arena.alloc(slot_size)
+            if offset is not None:
+                return offset
+            victim = self._policy(slot_size).evict(self._evictable)
+            if isinstance(victim, bytes):
+                entry = self._entries.pop(victim)
+                # The slot is ours alone from here: its bytes stay intact until our copy, so
+                # the hook may read them after the lock is released.
+                evicted.append((victim, entry))
+                self._counters["evictions"] += 1
+                return int(entry.offset)  # same size class: the victim's slot becomes ours
+            if self._steal_slab_locked(slot_size, evicted):
+                continue
+            now = time.monotonic()
+            deadline = now + self._put_wait_s if deadline is None else deadline
+            if now >= deadline or self._closed:
+                return None
+            self._cond.wait(deadline - now)
+
+    def _evictable(self, key: Any) -> bool:
+        return self._entries[key].pins == 0
+
+    def _steal_slab_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]]) -> bool:
+        """Move one slab from the size class holding the most slabs to ``slot_size``, evicting
+        the residents of the slab; False if no slab can be freed now (pinned residents)."""
+        donors = sorted((c for s, c in self._arena.classes.items() if s != slot_size and c.slabs),
+                        key=lambda c: len(c.slabs), reverse=True)
+        for donor in donors:
+            for slab in donor.slabs:
+                residents = [(k, e) for k, e in self._entries.items()
+                             if e.slot_size == donor.slot_size
+                             and self._arena.slab_of(e.offset) == slab]
+                busy = any(e.pins for _, e in residents) or any(
+                    e.slot_size == donor.slot_size and self._arena.slab_of(e.offset) == slab
+                    for e in self._doomed.values())
+                if busy:
+                    continue
+                for key, entry in residents:
+                    del self._entries[key]
+                    self._policy(donor.slot_size).remove(key)
+                    self._arena.free(entry.slot_size, entry.offset)
+                    self._counters["evictions"] += 1
+                # Other threads may write into the slab as soon as the lock drops, so these
+                # victims are shown to the hook now, under the lock (steals are rare).
+                self._hand_over(residents)
+                self._arena.take_slab(donor, slab)
+                self._arena.give_slab(self._arena.size_class(slot_size), slab)
+                self._counters["slab_steals"] += 1
+                return True
+        return False
+
+    def _hand_over(self, evicted: list[tuple[bytes, _Entry]]) -> None:
+        """Show evicted chunks to the hook (demotion) outside the lock, then free pinned ones.
+        A stolen slab's victims are copied before this thread writes into the slab."""
+        for key, entry in evicted:
+            if self._on_evict is not None:
+                self._on_evict(key, entry.ns, self._arena.view(entry.offset, entry.nbytes),
+                               entry.hits, entry.on_lower)
+
+    def _release_slot(self, entry: _Entry) -> None:
+        self._arena.free(entry.slot_size, entry.offset)
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------------ reads
+    def _pin(self, key: bytes) -> _Entry | None:
+        with self._lock:
+            self._check_open()
+            entry = self._entries.get(key)
+            if entry is None:
+                self._counters["misses"] += 1
+                return None
+            entry.pins += 1
+            entry.hits += 1
+            self._counters["hits"] += 1
+            self._policy(entry.slot_size).touch(key)
+            return entry
+
+    def _unpin(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.pins -= 1
+            if entry.pins == 0 and entry.doomed:
+                del self._doomed[entry.offset]
+                if not self._closed:
+                    self._release_slot(entry)
+            elif entry.pins == 0:
+                self._cond.notify_all()
+
+    def get_into(self, key: bytes, out: Any) -> bool:
+        """Copy a chunk into ``out``. False on a miss; ChunkSizeError if ``out``'s size differs
+        from the stored chunk."""
+        view = byte_view(out, writable=True)
+        entry = self._pin(key)
+        if entry is None:
+            return False
+        try:
+            if view.nbytes != entry.nbytes:
+                raise ChunkSizeError(f"output buffer of {view.nbytes} bytes; chunk has "
+                                     f"{entry.nbytes}")
+            view[:] = self._arena.view(entry.offset, entry.nbytes)
+        finally:
+            self._unpin(entry)
+        return True
+
+    def view(self, key: bytes) -> PinnedView | None:
+        """Zero-copy read view that pins the slot until released; None on a miss."""
+        entry = self._pin(key)
+        if entry is None:
+            return None
+        return PinnedView(self, entry, self._arena.view(entry.offset, entry.nbytes).toreadonly())
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            self._check_open()
+            return key in self._entries
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if key not in self._entries:
+                    return i
+        return len(keys)
+
+    # ------------------------------------------------------------------ removal
+    def _drop_locked(self, key: bytes) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._policy(entry.slot_size).remove(key)
+        if entry.pins:
+            entry.doomed = True
+            self._doomed[entry.offset] = entry
+        else:
+            self._release_slot(entry)
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        """Remove a chunk; a pinned one disappears now and frees its slot when released."""
+        with self._lock:
+            self._check_open()
+            return self._drop_locked(key)
+
+    def invalidate(self, namespace_id: bytes) -> int:
+        with self._lock:
+            self._check_open()
+            doomed = [k for k, e in self._entries.items() if e.ns.id == namespace_id]
+            for key in doomed:
+                self._drop_locked(key)
+            return len(doomed)
+
+    def mark_on_lower(self, key: bytes) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.on_lower = True
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            used = sum(e.slot_size for e in self._entries.values())
+            out: dict[str, Any] = dict(self._counters)
+            out.update(entries=len(self._entries), used_bytes=used,
+                       capacity_bytes=self._arena.capacity, eviction=self._eviction)
+            return out
+
+    def close(self) -> None:
+        """Release the arena; later calls raise PoolClosedError. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._entries.clear()
+            self._cond.notify_all()
+        self._arena.close()

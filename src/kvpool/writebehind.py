@@ -1,0 +1,154 @@
+"""Bounded write-behind to the SSD tier.
+
+``offer`` copies a chunk into a staging buffer and returns at once; a worker thread writes
+staged chunks to SSD in batches. When the staged bytes would exceed the budget the offer is
+refused and counted as a dropped save: the caller (inference) never waits for the SSD. Staged
+chunks are readable (``get_into``) until written, so a just-evicted chunk is not a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import PoolClosedError
+from kvpool.keys import Namespace
+from kvpool.ssd.directio import aligned_buffer
+from kvpool.ssd.engine import SsdEngine
+from kvpool.tiers.dram import byte_view
+
+log = logging.getLogger("kvpool.writebehind")
+
+
+@dataclass(slots=True)
+class _Staged:
+    ns: Namespace
+    buffer: memoryview  # page-aligned, so the SSD write is zero-copy from here
+    nbytes: int
+
+
+class WriteBehind:
+    def __init__(self, ssd: SsdEngine, max_bytes: int, batch: int = 16) -> None:
+        self._ssd = ssd
+        self._max_bytes = max_bytes
+        self._batch = batch
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._queue: OrderedDict[bytes, _Staged] = OrderedDict()
+        self._writing: dict[bytes, _Staged] = {}
+        self._spare: defaultdict[int, list[memoryview]] = defaultdict(list)
+        self._allocated = 0
+        self._closed = False
+        self._counters = dict.fromkeys(("offered", "written", "dropped", "write_errors"), 0)
+        self._worker = threading.Thread(target=self._run, name="kvpool-write-behind",
+                                        daemon=True)
+        self._worker.start()
+
+    def _take_buffer(self, nbytes: int) -> memoryview | None:
+        size = (nbytes + 4095) // 4096 * 4096
+        spares = self._spare[size]
+        if spares:
+            return spares.pop()
+        if self._allocated + size > self._max_bytes:
+            # Reuse memory parked for other sizes before refusing.
+            for other, bufs in self._spare.items():
+                while bufs and self._allocated + size > self._max_bytes:
+                    bufs.pop()
+                    self._allocated -= other
+            if self._allocated + size > self._max_bytes:
+                return None
+        self._allocated += size
+        return memoryview(aligned_buffer(size))
+
+    def offer(self, key: bytes, ns: Namespace, data: Any) -> bool:
+        """Stage a copy of ``data`` for the SSD. False (counted as dropped) if the staging
+        budget is full; True if staged or already staged. Raises PoolClosedError after close."""
+        view = byte_view(data)
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("write-behind queue is closed")
+            if key in self._queue or key in self._writing:
+                return True
+            buf = self._take_buffer(view.nbytes)
+            if buf is None:
+                self._counters["dropped"] += 1
+                return False
+            self._counters["offered"] += 1
+        buf[:view.nbytes] = view
+        with self._lock:
+            self._queue[key] = _Staged(ns, buf, view.nbytes)
+            self._cond.notify_all()
+        return True
+
+    def get_into(self, key: bytes, out: memoryview) -> bool:
+        with self._lock:
+            staged = self._queue.get(key) or self._writing.get(key)
+            if staged is None or staged.nbytes != out.nbytes:
+                return False
+            out[:] = staged.buffer[:staged.nbytes]
+            return True
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._queue or key in self._writing
+
+    def discard(self, key: bytes) -> None:
+        """Forget a staged chunk (deleted by the user) so it is not written."""
+        with self._lock:
+            staged = self._queue.pop(key, None)
+            if staged is not None:
+                self._spare[len(staged.buffer)].append(staged.buffer)
+
+    def discard_namespace(self, namespace_id: bytes) -> None:
+        with self._lock:
+            for key in [k for k, s in self._queue.items() if s.ns.id == namespace_id]:
+                staged = self._queue.pop(key)
+                self._spare[len(staged.buffer)].append(staged.buffer)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue and self._closed:
+                    return
+                batch: list[tuple[bytes, _Staged]] = []
+                while self._queue and len(batch) < self._batch:
+                    key, staged = self._queue.popitem(last=False)
+                    self._writing[key] = staged
+                    batch.append((key, staged))
+            try:
+                self._ssd.put_many([(k, s.ns, s.buffer[:s.nbytes]) for k, s in batch])
+                written, failed = len(batch), 0
+            except Exception as exc:  # a full or failing disk must not kill the worker
+                log.warning("write-behind: SSD write of %d chunks failed: %s", len(batch), exc)
+                written, failed = 0, len(batch)
+            with self._lock:
+                for key, staged in batch:
+                    del self._writing[key]
+                    self._spare[len(staged.buffer)].append(staged.buffer)
+                self._counters["written"] += written
+                self._counters["write_errors"] += failed
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything staged so far is written. False on timeout."""
+        with self._lock:
+            return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out.update(queued=len(self._queue) + len(self._writing),
+                       staging_bytes=self._allocated, staging_limit=self._max_bytes)
+            return out
+
+    def close(self) -> None:
+        """Write everything staged, then stop the worker. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join()
