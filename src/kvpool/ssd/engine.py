@@ -115,6 +115,9 @@ class SsdEngine:
         self.durability: Durability = durability
         self._policy = make_segment_policy(eviction)
         self._forward_budget_blocks = int(copy_forward_fraction * segment_size) // BLOCK
+        if capacity // segment_size > 0xFFFF:
+            raise ValueError(f"ssd.capacity={capacity} is more than 65535 segments of "
+                             f"ssd.segment_size={segment_size}; raise ssd.segment_size")
         self._store = SegmentStore(Path(path), capacity, segment_size, direct_io)
         self.segment_size = segment_size
         self._lock = threading.Lock()

@@ -1,8 +1,9 @@
 """Compact in-memory index of the SSD engine: 16-byte key -> (segment, block offset, blocks).
 
-An open-addressing hash table with linear probing over parallel numpy arrays, so an entry
-costs 31 bytes instead of the ~150 a Python dict of bytes -> tuple would. Keys are already
-uniform hashes, so their first 8 bytes pick the home slot. Deleted slots become tombstones and
+An open-addressing hash table with linear probing over parallel numpy arrays, so a slot costs
+29 bytes instead of the ~150 a Python dict of bytes -> tuple would; with a maximum load of 0.85
+and 1.5x growth that is 34-51 bytes per chunk. Keys are already uniform hashes, so their first
+8 bytes pick the home slot. Deleted slots become tombstones and
 are reclaimed on the next resize. Not thread-safe: the engine locks.
 """
 
@@ -15,7 +16,8 @@ import numpy as np
 
 _EMPTY = 0
 _DELETED = 0xFFFFFFFF
-_MAX_LOAD = 0.75
+_MAX_LOAD = 0.85
+_GROWTH = 1.5
 _MIN_CAPACITY = 1024
 
 
@@ -29,18 +31,15 @@ class Location:
 
 class CompactIndex:
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
-        cap = _MIN_CAPACITY
-        while cap < capacity:
-            cap *= 2
-        self._alloc(cap)
+        self._alloc(max(_MIN_CAPACITY, capacity))
         self._count = 0
         self._deleted = 0
 
     def _alloc(self, cap: int) -> None:
-        self._mask = cap - 1
+        self._cap = cap
         self.k0 = np.zeros(cap, dtype=np.uint64)
         self.k1 = np.zeros(cap, dtype=np.uint64)
-        self.segment = np.zeros(cap, dtype=np.uint32)
+        self.segment = np.zeros(cap, dtype=np.uint16)
         self.block = np.zeros(cap, dtype=np.uint32)
         self.blocks = np.zeros(cap, dtype=np.uint32)  # 0 = empty, 0xFFFFFFFF = deleted
         self.ns_index = np.zeros(cap, dtype=np.uint16)
@@ -48,7 +47,7 @@ class CompactIndex:
 
     @property
     def capacity(self) -> int:
-        return self._mask + 1
+        return self._cap
 
     def __len__(self) -> int:
         return self._count
@@ -63,7 +62,7 @@ class CompactIndex:
 
     def _find(self, a: int, b: int) -> int:
         """Slot holding (a, b), or -1."""
-        i = a & self._mask
+        i = a % self._cap
         k0, k1, blocks = self.k0, self.k1, self.blocks
         while True:
             n = int(blocks[i])
@@ -71,7 +70,7 @@ class CompactIndex:
                 return -1
             if n != _DELETED and int(k0[i]) == a and int(k1[i]) == b:
                 return i
-            i = (i + 1) & self._mask
+            i = (i + 1) % self._cap
 
     def get(self, key: bytes) -> Location | None:
         i = self._find(*self._split(key))
@@ -89,14 +88,17 @@ class CompactIndex:
             self.hot[i] = True
 
     def put(self, key: bytes, segment: int, block: int, blocks: int, ns_index: int) -> None:
-        """Insert or replace. Raises ValueError if ``blocks`` is 0 or does not fit 32 bits."""
+        """Insert or replace. Raises ValueError if ``blocks`` is 0 or does not fit 32 bits, or
+        the segment number does not fit 16 bits."""
         if not 0 < blocks < _DELETED:
             raise ValueError(f"record size in blocks out of range: {blocks}")
+        if not 0 <= segment <= 0xFFFF:
+            raise ValueError(f"segment number out of range: {segment}")
         if (self._count + self._deleted + 1) > _MAX_LOAD * self.capacity:
-            self._resize(self.capacity * 2 if self._count + 1 > _MAX_LOAD * self.capacity / 2
-                         else self.capacity)
+            grow = self._count + 1 > _MAX_LOAD * self.capacity / _GROWTH
+            self._resize(int(self.capacity * _GROWTH) if grow else self.capacity)
         a, b = self._split(key)
-        i = a & self._mask
+        i = a % self._cap
         first_free = -1
         while True:
             n = int(self.blocks[i])
@@ -109,7 +111,7 @@ class CompactIndex:
                 first_free = i
                 self._count -= 1  # replaced below
                 break
-            i = (i + 1) & self._mask
+            i = (i + 1) % self._cap
         if first_free >= 0:
             if int(self.blocks[first_free]) == _DELETED:
                 self._deleted -= 1
@@ -164,9 +166,9 @@ class CompactIndex:
         self._deleted = 0
         for j in range(live.size):
             a, b = int(old[0][j]), int(old[1][j])
-            i = a & self._mask
+            i = a % self._cap
             while int(self.blocks[i]) != _EMPTY:
-                i = (i + 1) & self._mask
+                i = (i + 1) % self._cap
             self.k0[i], self.k1[i] = a, b
             self.segment[i], self.block[i], self.blocks[i] = old[2][j], old[3][j], old[4][j]
             self.ns_index[i], self.hot[i] = old[5][j], old[6][j]

@@ -1,0 +1,189 @@
+import os
+import threading
+
+import numpy as np
+import pytest
+from conftest import CHUNK, byte_namespace, payload_for
+
+from kvpool.errors import ChunkSizeError, PoolClosedError
+from kvpool.keys import Namespace
+from kvpool.ssd.directio import buffer_address
+from kvpool.tiers.arena import SlotArena
+from kvpool.tiers.dram import DramTier
+
+SLAB = 4 * CHUNK  # four 64 KiB slots per slab
+
+
+class Recorder:
+    """Eviction hook that checks the victim's bytes while they are still valid."""
+
+    def __init__(self) -> None:
+        self.evicted: list[bytes] = []
+        self.bad = 0
+
+    def __call__(self, key: bytes, ns: Namespace, view: memoryview, hits: int,
+                 on_lower: bool) -> None:
+        self.evicted.append(key)
+        if not np.array_equal(np.frombuffer(view, np.uint8), payload_for(key, view.nbytes)):
+            self.bad += 1
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_arena_alloc_free_and_alignment() -> None:
+    arena = SlotArena(2 * SLAB, SLAB)
+    slots = [arena.alloc(CHUNK) for _ in range(8)]
+    assert None not in slots and len(set(slots)) == 8
+    assert all(s % 4096 == 0 for s in slots)  # type: ignore[operator]
+    assert arena.alloc(CHUNK) is None  # hard bound
+    arena.free(CHUNK, slots[3])  # type: ignore[arg-type]
+    assert arena.alloc(CHUNK) == slots[3]
+    with pytest.raises(ValueError, match="slab_size"):
+        arena.slot_size_for(SLAB + 1)
+    with pytest.raises(ValueError, match="smaller than one"):
+        SlotArena(SLAB - 4096, SLAB)
+
+
+def test_roundtrip_and_bad_buffers() -> None:
+    ns = byte_namespace()
+    tier = DramTier(SLAB, SLAB, "lru")
+    data = payload_for(k(1))
+    assert tier.put(k(1), ns, data)
+    out = np.zeros(CHUNK, np.uint8)
+    assert tier.get_into(k(1), out) and np.array_equal(out, data)
+    assert not tier.get_into(k(2), out)
+    with pytest.raises(ChunkSizeError):
+        tier.get_into(k(1), np.zeros(CHUNK - 1, np.uint8))
+    with pytest.raises(ValueError, match="read-only"):
+        tier.get_into(k(1), bytes(CHUNK))
+    with pytest.raises(ValueError, match="contiguous"):
+        tier.get_into(k(1), np.zeros((CHUNK, 2), np.uint8)[:, 0])
+    tier.close()
+    with pytest.raises(PoolClosedError):
+        tier.get_into(k(1), out)
+
+
+def test_capacity_bound_and_exact_lru_victims() -> None:
+    ns = byte_namespace()
+    rec = Recorder()
+    tier = DramTier(SLAB, SLAB, "lru", on_evict=rec)
+    for i in range(4):
+        tier.put(k(i), ns, payload_for(k(i)))
+    out = np.zeros(CHUNK, np.uint8)
+    tier.get_into(k(0), out)
+    for i in range(4, 8):
+        tier.put(k(i), ns, payload_for(k(i)))
+    assert rec.evicted == [k(1), k(2), k(3), k(0)]
+    assert rec.bad == 0
+    stats = tier.stats()
+    assert stats["entries"] == 4 and stats["used_bytes"] <= tier.capacity
+    assert stats["evictions"] == 4
+
+
+def test_many_puts_stay_within_capacity_and_hook_sees_true_bytes() -> None:
+    ns = byte_namespace()
+    rec = Recorder()
+    tier = DramTier(2 * SLAB, SLAB, "s3fifo", on_evict=rec)
+    for i in range(100):
+        assert tier.put(k(i), ns, payload_for(k(i)))
+        assert tier.stats()["used_bytes"] <= 2 * SLAB
+    assert len(rec.evicted) == 92 and rec.bad == 0
+    out = np.zeros(CHUNK, np.uint8)
+    survivors = [i for i in range(100) if tier.get_into(k(i), out)]
+    assert len(survivors) == 8
+    assert tier.longest_prefix([k(i) for i in survivors] + [k(0)]) == 8
+
+
+def test_pinned_view_blocks_eviction_and_survives_delete() -> None:
+    ns = byte_namespace()
+    tier = DramTier(SLAB, SLAB, "lru", put_wait_s=0.05)
+    for i in range(4):
+        tier.put(k(i), ns, payload_for(k(i)))
+    view = tier.view(k(0))
+    assert view is not None
+    assert buffer_address(view.data) % 4096 == 0
+    for i in range(4, 7):
+        tier.put(k(i), ns, payload_for(k(i)))
+    assert tier.contains(k(0))  # pinned: skipped by eviction
+    assert tier.delete(k(0)) and not tier.contains(k(0))
+    tier.put(k(7), ns, payload_for(k(7)))  # must not reuse the pinned slot
+    assert np.array_equal(np.frombuffer(view.data, np.uint8), payload_for(k(0)))
+    view.release()
+    with pytest.raises(ValueError):
+        bytes(view.data)  # released views are unusable
+
+
+def test_all_pinned_put_is_dropped_not_blocked() -> None:
+    ns = byte_namespace()
+    tier = DramTier(SLAB, SLAB, "s3fifo", put_wait_s=0.05)
+    views = []
+    for i in range(4):
+        tier.put(k(i), ns, payload_for(k(i)))
+        views.append(tier.view(k(i)))
+    assert tier.put(k(9), ns, payload_for(k(9))) is False
+    assert tier.stats()["dropped_puts"] == 1
+    with views[0]:
+        pass
+    assert tier.put(k(9), ns, payload_for(k(9))) is True
+
+
+def test_slab_is_stolen_for_a_new_size_class() -> None:
+    small, big = byte_namespace(CHUNK), byte_namespace(2 * CHUNK, model="big")
+    rec = Recorder()
+    tier = DramTier(2 * SLAB, SLAB, "lru", on_evict=rec)
+    for i in range(8):
+        tier.put(k(i), small, payload_for(k(i)))
+    assert tier.put(k(100), big, payload_for(k(100), 2 * CHUNK))
+    stats = tier.stats()
+    assert stats["slab_steals"] == 1
+    assert len(rec.evicted) == 4 and rec.bad == 0
+    out = np.zeros(2 * CHUNK, np.uint8)
+    assert tier.get_into(k(100), out) and np.array_equal(out, payload_for(k(100), 2 * CHUNK))
+    assert stats["used_bytes"] <= 2 * SLAB
+
+
+def test_invalidate_namespace() -> None:
+    a, b = byte_namespace(model="a"), byte_namespace(model="b")
+    tier = DramTier(2 * SLAB, SLAB)
+    for i in range(3):
+        tier.put(k(i), a, payload_for(k(i)))
+        tier.put(k(10 + i), b, payload_for(k(10 + i)))
+    assert tier.invalidate(a.id) == 3
+    assert tier.longest_prefix([k(0)]) == 0 and tier.contains(k(10))
+
+
+def test_threads_never_read_wrong_bytes() -> None:
+    ns = byte_namespace()
+    tier = DramTier(2 * SLAB, SLAB, "s3fifo")
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        out = np.zeros(CHUNK, np.uint8)
+        for _ in range(300):
+            key = k(int(rng.integers(0, 40)))
+            if rng.random() < 0.5:
+                tier.put(key, ns, payload_for(key))
+            elif tier.get_into(key, out) and not np.array_equal(out, payload_for(key)):
+                errors.append(key.hex())
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert tier.stats()["used_bytes"] <= 2 * SLAB
+
+
+def test_shared_memory_arena(tmp_path: object) -> None:
+    path = f"/dev/shm/kvpool-test-{os.getpid()}"
+    tier = DramTier(SLAB, SLAB, shm_path=path)
+    assert os.path.exists(path)
+    tier.put(k(1), byte_namespace(), payload_for(k(1)))
+    with open(path, "rb") as f:
+        assert payload_for(k(1)).tobytes() in f.read()
+    tier.close()
+    assert not os.path.exists(path)

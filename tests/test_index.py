@@ -1,0 +1,73 @@
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.ssd.index import CompactIndex, Location
+
+
+def key(i: int) -> bytes:
+    # Small key space with colliding low bits to exercise probing and tombstones.
+    return (i % 5).to_bytes(8, "little") + i.to_bytes(8, "little")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "remove", "get"]), st.integers(0, 3000),
+                          st.integers(1, 100)), max_size=400))
+def test_index_matches_dict(ops: list[tuple[str, int, int]]) -> None:
+    index = CompactIndex()
+    model: dict[bytes, Location] = {}
+    for op, i, blocks in ops:
+        k = key(i)
+        if op == "put":
+            index.put(k, i % 7, i, blocks, i % 3)
+            model[k] = Location(i % 7, i, blocks, i % 3)
+        elif op == "remove":
+            assert index.remove(k) == model.pop(k, None)
+        else:
+            assert index.get(k) == model.get(k)
+        assert len(index) == len(model)
+    for k, loc in model.items():
+        assert index.get(k) == loc
+
+
+def test_growth_and_bytes_per_entry() -> None:
+    index = CompactIndex()
+    keys = [os.urandom(16) for _ in range(50_000)]
+    for n, k in enumerate(keys):
+        index.put(k, n % 16, n, 17, 0)
+    assert len(index) == 50_000
+    assert all(index.get(k) is not None for k in keys[::997])
+    assert index.nbytes() / len(index) <= 64
+    assert index.capacity * 0.85 >= len(index)
+
+
+def test_segment_and_namespace_scans() -> None:
+    index = CompactIndex()
+    for i in range(100):
+        index.put(key(i), i % 4, i, 1, i % 2)
+    slots = index.slots_where(segment=1)
+    assert sorted(index.key_at(int(s)) for s in slots) == sorted(key(i) for i in range(1, 100, 4))
+    index.remove_slots(index.slots_where(ns_index=0))
+    assert len(index) == 50
+    assert all((key(i) in index) == (i % 2 == 1) for i in range(100))
+
+
+def test_tombstones_are_reclaimed() -> None:
+    index = CompactIndex()
+    for round_ in range(20):
+        for i in range(500):
+            index.put(key(round_ * 1000 + i), 0, i, 1, 0)
+        for i in range(500):
+            index.remove(key(round_ * 1000 + i))
+    assert len(index) == 0
+    assert index.capacity <= 2048  # reused, not grown by deleted entries
+
+
+def test_hot_bit_cleared_on_replace() -> None:
+    index = CompactIndex()
+    index.put(key(1), 0, 0, 1, 0)
+    index.mark_hot(key(1))
+    assert bool(index.hot[index.slots_where(segment=0)[0]])
+    index.put(key(1), 1, 5, 1, 0)
+    assert not bool(index.hot[index.slots_where(segment=1)[0]])

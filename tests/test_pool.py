@@ -1,0 +1,145 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import CHUNK, byte_namespace, payload_for, small_config
+
+from kvpool import KVPool
+from kvpool.errors import ChunkSizeError, PoolClosedError, UnknownNamespaceError
+from kvpool.keys import Namespace
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def read(pool: KVPool, ns: Namespace, key: bytes) -> np.ndarray | None:
+    out = np.zeros(ns.chunk_bytes, np.uint8)
+    return out if pool.get_into(ns, key, out) else None
+
+
+def test_put_get_lookup_across_tiers(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    with KVPool(small_config(tmp_path)) as pool:  # DRAM holds 16 chunks
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(40)]
+        assert pool.put_many(ns, keys, [payload_for(x) for x in keys]) == 40
+        pool.flush()
+        assert pool.lookup(ns, keys) == 40
+        for x in keys:
+            got = read(pool, ns, x)
+            assert got is not None and np.array_equal(got, payload_for(x))
+        stats = pool.stats()
+        assert stats["pool"]["ssd_hits"] > 0 and stats["pool"]["promotions"] > 0
+        assert stats["dram"]["used_bytes"] <= stats["dram"]["capacity_bytes"]
+        assert pool.delete(ns, keys[5])
+        assert pool.lookup(ns, keys) == 5
+        assert read(pool, ns, keys[5]) is None
+        assert not pool.delete(ns, keys[5])
+
+
+def test_get_many_into(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    with KVPool(small_config(tmp_path)) as pool:
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(30)]
+        pool.put_many(ns, keys[:25], [payload_for(x) for x in keys[:25]])
+        pool.flush()
+        outs = [np.zeros(CHUNK, np.uint8) for _ in keys]
+        found = pool.get_many_into(ns, keys, outs)
+        assert found == [True] * 25 + [False] * 5
+        assert all(np.array_equal(o, payload_for(x)) for o, x in zip(outs[:25], keys[:25],
+                                                                     strict=True))
+
+
+def test_misuse_raises_clear_errors(tmp_path: Path) -> None:
+    ns, other = byte_namespace(), byte_namespace(model="never-registered")
+    pool = KVPool(small_config(tmp_path))
+    pool.register_namespace(ns)
+    with pytest.raises(UnknownNamespaceError, match="register_namespace"):
+        pool.put(other, k(1), payload_for(k(1)))
+    with pytest.raises(UnknownNamespaceError):
+        pool.lookup(other, [k(1)])
+    with pytest.raises(ChunkSizeError, match=str(CHUNK)):
+        pool.put(ns, k(1), np.zeros(CHUNK + 1, np.uint8))
+    pool.put(ns, k(1), payload_for(k(1)))
+    with pytest.raises(ChunkSizeError):
+        pool.get_into(ns, k(1), np.zeros(100, np.uint8))
+    with pytest.raises(ValueError, match="16 bytes"):
+        pool.put(ns, b"short", payload_for(k(1)))
+    with pytest.raises(ValueError, match="chunk of"):
+        pool.register_namespace(byte_namespace(8 << 20, model="huge"))
+    pool.close()
+    pool.close()  # idempotent
+    with pytest.raises(PoolClosedError):
+        pool.get_into(ns, k(1), np.zeros(CHUNK, np.uint8))
+    with pytest.raises(PoolClosedError):
+        pool.put(ns, k(2), payload_for(k(2)))
+
+
+def test_tenants_and_models_never_share_hits(tmp_path: Path) -> None:
+    a, b = byte_namespace(salt="tenant-a"), byte_namespace(salt="tenant-b")
+    c = byte_namespace(model="other-model", salt="tenant-a")
+    tokens = list(range(8))
+    with KVPool(small_config(tmp_path)) as pool:
+        for ns in (a, b, c):
+            pool.register_namespace(ns)
+        keys = a.chunk_keys(tokens)
+        pool.put_many(a, keys, [payload_for(x) for x in keys])
+        assert pool.lookup(a, a.chunk_keys(tokens)) == 8
+        assert pool.lookup(b, b.chunk_keys(tokens)) == 0
+        assert pool.lookup(c, c.chunk_keys(tokens)) == 0
+
+
+def test_write_through_survives_restart_and_invalidate_persists(tmp_path: Path) -> None:
+    ns, keep = byte_namespace(), byte_namespace(model="kept")
+    cfg = small_config(tmp_path, pool={"ssd_write": "through"})
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        pool.register_namespace(keep)
+        pool.put_many(ns, [k(i) for i in range(10)], [payload_for(k(i)) for i in range(10)])
+        pool.put(keep, k(99), payload_for(k(99)))
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        pool.register_namespace(keep)
+        assert pool.lookup(ns, [k(i) for i in range(10)]) == 10
+        got = read(pool, ns, k(3))
+        assert got is not None and np.array_equal(got, payload_for(k(3)))
+        assert pool.invalidate(ns) >= 10
+        assert pool.lookup(ns, [k(i) for i in range(10)]) == 0
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        pool.register_namespace(keep)
+        assert pool.lookup(ns, [k(i) for i in range(10)]) == 0
+        assert pool.contains(keep, k(99))
+
+
+def test_ssd_only_and_dram_only_pools(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    for sections in ({"dram": {"capacity": 0}}, {"ssd": {"enabled": False}}):
+        with KVPool(small_config(tmp_path / str(len(sections)), **sections)) as pool:
+            pool.register_namespace(ns)
+            assert pool.put(ns, k(1), payload_for(k(1)))
+            pool.flush()
+            got = read(pool, ns, k(1))
+            assert got is not None and np.array_equal(got, payload_for(k(1)))
+            tiers = set(pool.stats())
+            assert ("dram" in tiers) != ("ssd" in tiers)
+
+
+def test_second_use_admission_skips_one_hit_chunks(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    cfg = small_config(tmp_path, ssd={"admission": "second_use"}, dram={"eviction": "lru"})
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        read_twice = [k(i) for i in range(4)]
+        pool.put_many(ns, read_twice, [payload_for(x) for x in read_twice])
+        for x in read_twice:
+            assert read(pool, ns, x) is not None
+        one_hit = [k(100 + i) for i in range(30)]
+        pool.put_many(ns, one_hit, [payload_for(x) for x in one_hit])
+        pool.flush()
+        stats = pool.stats()
+        assert stats["dram"]["evictions"] == 4 + 30 - 16
+        assert stats["ssd"]["records"] == 4  # only the reused chunks were admitted
+        assert all(pool.contains(ns, x) for x in read_twice)
