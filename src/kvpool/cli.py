@@ -13,6 +13,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    config = sub.add_parser("config", help="print the effective settings (YAML) or their docs")
+    config.add_argument("--config", help="YAML file (default: $KVPOOL_CONFIG)")
+    config.add_argument("--doc", action="store_true", help="print every knob as Markdown")
+    config.set_defaults(func=_config_command)
     bench = sub.add_parser("bench", help="benchmarks beside their references")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
     storage = bench_sub.add_parser("storage", help="DRAM arena and SSD engine vs memcpy, "
@@ -21,6 +25,24 @@ def _build_parser() -> argparse.ArgumentParser:
     storage_bench.add_arguments(storage)
     storage.set_defaults(func=storage_bench.run_from_args)
     return parser
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    if args.doc:
+        from kvpool.configdoc import config_markdown
+        print(config_markdown(), end="")
+        return 0
+    import yaml
+
+    from kvpool.config import load_config
+    from kvpool.errors import ConfigError
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

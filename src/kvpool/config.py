@@ -61,7 +61,7 @@ class DramConfig(_Section):
     slab_size: Size = Field(64 << 20, description="Unit the arena hands to a size class; must be >= the largest chunk.")
     eviction: Literal["lru", "s3fifo"] = Field("s3fifo", description="Eviction policy of each size class.")
     shm_path: str | None = Field(None, description="Back the arena by this /dev/shm file (shared with local engine processes) instead of anonymous memory.")
-    put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot held by in-flight demotions before it is dropped (counted).")
+    put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot when every resident chunk is pinned by a zero-copy view, before the put is dropped (counted).")
 
 
 class SsdConfig(_Section):
