@@ -15,7 +15,8 @@ from kvpool.keys import KVLayout, Namespace
 CHUNK = 64 * 1024
 
 
-def byte_namespace(chunk_bytes: int = CHUNK, model: str = "test-model", salt: str = "") -> Namespace:
+def byte_namespace(chunk_bytes: int = CHUNK, model: str = "test-model",
+                   salt: str = "") -> Namespace:
     """A namespace whose chunks are ``chunk_bytes`` opaque bytes."""
     return Namespace(model, KVLayout("uint8", 1, 1, chunk_bytes, 1, kv_factor=1),
                      tenant_salt=salt)

@@ -64,10 +64,11 @@ def test_tombstones_are_reclaimed() -> None:
     assert index.capacity <= 2048  # reused, not grown by deleted entries
 
 
-def test_hot_bit_cleared_on_replace() -> None:
+def test_hot_bit_set_on_read_and_cleared_on_replace() -> None:
     index = CompactIndex()
     index.put(key(1), 0, 0, 1, 0)
-    index.mark_hot(key(1))
-    assert bool(index.hot[index.slots_where(segment=0)[0]])
+    assert not index.column("hot")[index.slots_where(segment=0)[0]]
+    index.get(key(1), mark_hot=True)
+    assert index.column("hot")[index.slots_where(segment=0)[0]]
     index.put(key(1), 1, 5, 1, 0)
-    assert not bool(index.hot[index.slots_where(segment=1)[0]])
+    assert not index.column("hot")[index.slots_where(segment=1)[0]]

@@ -41,7 +41,7 @@ def test_key_formula_is_the_documented_chain() -> None:
 def test_partial_chunk_gets_no_key_and_prefixes_share_keys() -> None:
     assert SMOL.chunk_keys([1, 2, 3]) == []
     a = SMOL.chunk_keys(list(range(11)))
-    b = SMOL.chunk_keys(list(range(8)) + [99, 98, 97, 96])
+    b = SMOL.chunk_keys([*range(8), 99, 98, 97, 96])
     assert len(a) == 2 and len(b) == 3
     assert a[:2] == b[:2]
     assert SMOL.chunk_keys(list(range(12)))[2] != b[2]

@@ -12,7 +12,9 @@ def _default_repr(value: object) -> str:
         for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
             if value % size == 0:
                 return f"{value // size}{unit}"
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def config_markdown() -> str:
@@ -20,11 +22,11 @@ def config_markdown() -> str:
     lines = [
         "# kvpool configuration",
         "",
-        "One YAML file (`--config FILE` where a command takes it, else `$KVPOOL_CONFIG`), then",
-        "environment overrides `KVPOOL_<SECTION>__<KEY>` (e.g. `KVPOOL_DRAM__CAPACITY=8GiB`). Sizes",
-        "take B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal). Unknown keys and bad",
-        "values are refused with a message naming the key. `kvpool config` prints the effective",
-        "settings; `kvpool config --doc` prints this table.",
+        "One YAML file (`--config FILE` where a command takes it, else `$KVPOOL_CONFIG`),",
+        "then environment overrides `KVPOOL_<SECTION>__<KEY>` (e.g.",
+        "`KVPOOL_DRAM__CAPACITY=8GiB`). Sizes take B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB,",
+        "TB (decimal). Unknown keys and bad values are refused with a message naming the key.",
+        "`kvpool config` prints the effective settings; `kvpool config --doc` prints this table.",
         "",
         "| key | default | meaning |",
         "| --- | --- | --- |",

@@ -34,6 +34,7 @@ from kvpool.record import (
     FLAG_NS_TOMBSTONE,
     FLAG_TOMBSTONE,
     HEADER_BLOCK,
+    HEADER_SIZE,
     RecordHeader,
     payload_checksum,
     record_size,
@@ -53,6 +54,7 @@ MAX_IOV = 512
 MAX_WRITE_BYTES = 64 << 20
 
 _FREE, _ACTIVE, _SEALED = 0, 1, 2
+_ZERO_HEADER_TAIL = bytes(HEADER_BLOCK - HEADER_SIZE)
 
 
 @dataclass(slots=True)
@@ -75,14 +77,23 @@ class _Pending:
 
 
 class _ThreadBuffers(threading.local):
+    """Per-thread aligned buffers, reused across calls: a fresh mmap per IO costs a syscall
+    and first-touch page faults that are slower than the IO itself for small chunks."""
+
     def __init__(self) -> None:
         self.header = memoryview(aligned_buffer(BLOCK))
         self.staging = memoryview(aligned_buffer(BLOCK))
+        self.write = memoryview(aligned_buffer(BLOCK))
 
     def staging_of(self, nbytes: int) -> memoryview:
         if len(self.staging) < nbytes:
             self.staging = memoryview(aligned_buffer(nbytes))
         return self.staging[:nbytes]
+
+    def write_of(self, nbytes: int) -> memoryview:
+        if len(self.write) < nbytes:
+            self.write = memoryview(aligned_buffer(nbytes))
+        return self.write[:nbytes]
 
 
 def _byte_view(buf: Any, writable: bool) -> memoryview:
@@ -299,21 +310,22 @@ class SsdEngine:
         while self._segments[victim].inflight:
             self._cond.wait()
         slots = self._index.slots_where(segment=victim)
-        picked = self._policy.copy_forward(self._index.hot[slots],
-                                           self._index.blocks[slots].astype(np.int64),
+        picked = self._policy.copy_forward(self._index.column("hot")[slots].astype(bool),
+                                           self._index.column("blocks")[slots].astype(np.int64),
                                            self._forward_budget_blocks)
+        block_col, blocks_col = self._index.column("block"), self._index.column("blocks")
+        ns_col = self._index.column("ns_index")
         forward: list[tuple[bytes, int, memoryview]] = []
         for slot in slots[picked]:
             key = self._index.key_at(int(slot))
-            blocks = int(self._index.blocks[slot])
-            buf = memoryview(aligned_buffer(blocks * BLOCK))
-            offset = int(self._index.block[slot]) * BLOCK
+            buf = memoryview(aligned_buffer(int(blocks_col[slot]) * BLOCK))
+            offset = int(block_col[slot]) * BLOCK
             try:
                 self._read_block(victim, offset, buf)
                 h = unpack_header(buf)
                 if h.key == key and payload_checksum(
                         buf[HEADER_BLOCK:HEADER_BLOCK + h.payload_len]) == h.checksum:
-                    forward.append((key, int(self._index.ns_index[slot]), buf))
+                    forward.append((key, int(ns_col[slot]), buf))
             except (OSError, CorruptRecordError):
                 self._counters["checksum_failures"] += 1
         self._index.remove_slots(slots)
@@ -424,27 +436,34 @@ class SsdEngine:
             start += n
 
     def _write_batch(self, batch: list[_Pending]) -> None:
-        """pwritev consecutive records: header blocks from one staging mmap, payloads straight
-        from the caller's buffer when aligned, else through an aligned copy."""
-        headers = memoryview(aligned_buffer(len(batch) * BLOCK))
+        """pwritev consecutive records: header blocks and unaligned payloads from this
+        thread's staging buffer, aligned payloads (DRAM slots) straight from their memory."""
         direct = self._store.direct
+        copied = [not (direct and is_direct_capable(p.payload)) for p in batch]
+        copy_bytes = sum(round_up(p.payload.nbytes) for p, c in zip(batch, copied, strict=True)
+                         if c)
+        staging = self._tls.write_of(len(batch) * BLOCK + copy_bytes)
+        pos = len(batch) * BLOCK
         iov: list[memoryview] = []
         iov_bytes = 0
         first = batch[0]
         fd, base = self._store.fd(first.segment), self._store.base(first.segment)
         offset = first.offset
-        for i, p in enumerate(batch):
-            hblock = headers[i * BLOCK:(i + 1) * BLOCK]
+        for i, (p, copy) in enumerate(zip(batch, copied, strict=True)):
+            hblock = staging[i * BLOCK:(i + 1) * BLOCK]
             p.header.pack_into(hblock)
+            hblock[HEADER_SIZE:] = _ZERO_HEADER_TAIL  # staging is reused: no stale bytes
             parts = [hblock]
             if p.payload.nbytes:
                 padded = round_up(p.payload.nbytes)
-                if direct and is_direct_capable(p.payload):
-                    parts.append(p.payload)
+                if copy:
+                    dst = staging[pos:pos + padded]
+                    dst[:p.payload.nbytes] = p.payload
+                    dst[p.payload.nbytes:] = bytes(padded - p.payload.nbytes)
+                    pos += padded
+                    parts.append(dst)
                 else:
-                    copy = memoryview(aligned_buffer(padded))
-                    copy[:p.payload.nbytes] = p.payload
-                    parts.append(copy)
+                    parts.append(p.payload)
             if iov and (len(iov) + len(parts) > MAX_IOV or iov_bytes > MAX_WRITE_BYTES):
                 self._pwritev_all(fd, iov, base + offset)
                 offset += iov_bytes
@@ -513,10 +532,7 @@ class SsdEngine:
 
     def _locate(self, key: bytes) -> Location | None:
         with self._lock:
-            loc = self._index.get(key)
-            if loc is not None:
-                self._index.mark_hot(key)
-        return loc
+            return self._index.get(key, mark_hot=True)
 
     def get_into(self, key: bytes, out: Any) -> bool:
         """Read a chunk's payload into ``out`` (exactly the payload size). Returns False on a
