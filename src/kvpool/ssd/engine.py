@@ -225,20 +225,30 @@ class SsdEngine:
 
     def _discard_torn_tail(self, seg_no: int,
                            found: list[tuple[int, int, int, RecordHeader]]) -> None:
-        """Verify payloads near the end of the newest segment; cut the log at the first bad
-        one (a write torn by a crash)."""
-        mine = [r for r in found if r[1] == seg_no]
+        """Drop the trailing run of records whose payload fails its checksum at the end of the
+        newest segment: writes torn by a crash. A bad record followed by a good one is not a
+        tear (writes are ordered); it stays indexed and its reads become counted misses, so
+        the acknowledged records after it survive."""
+        mine = sorted((r for r in found if r[1] == seg_no), key=lambda r: r[0])
         tail_start = self._segments[seg_no].write_off - TAIL_VERIFY_BYTES
-        for seq, _, offset, h in mine:
-            if offset < tail_start or h.is_tombstone:
-                continue
-            if not self._payload_ok(seg_no, offset, h):
-                dropped = [r for r in mine if r[0] >= seq]
-                self._counters["torn_discarded"] += len(dropped)
-                found[:] = [r for r in found if not (r[1] == seg_no and r[0] >= seq)]
-                self._segments[seg_no].write_off = offset
-                log.warning("ssd: discarded %d torn record(s) at the log tail", len(dropped))
-                return
+        torn: list[tuple[int, int, int, RecordHeader]] = []
+        for record in reversed(mine):
+            _, _, offset, h = record
+            if offset < tail_start or h.is_tombstone or self._payload_ok(seg_no, offset, h):
+                break
+            torn.append(record)
+        if torn:
+            self._counters["torn_discarded"] += len(torn)
+            cut = {r[0] for r in torn}
+            found[:] = [r for r in found if not (r[1] == seg_no and r[0] in cut)]
+            first_torn = torn[-1][2]
+            # Persist the cut: a zeroed header ends every later scan here, so the torn
+            # records do not come back once this segment is no longer the newest.
+            os.pwritev(self._store.fd(seg_no), [memoryview(aligned_buffer(BLOCK))],
+                       self._store.base(seg_no) + first_torn)
+            self._store.sync(seg_no)
+            self._segments[seg_no].write_off = first_torn
+            log.warning("ssd: discarded %d torn record(s) at the log tail", len(torn))
 
     def _payload_ok(self, seg_no: int, offset: int, h: RecordHeader) -> bool:
         padded = round_up(h.payload_len)
@@ -422,17 +432,21 @@ class SsdEngine:
                 n = self._reserve_batch(pending, start)
             batch = pending[start:start + n]
             seg_no = batch[0].segment
+            written = False
             try:
                 self._write_batch(batch)
                 if self.durability == "durable":
                     self._store.sync(seg_no)
+                written = True
             finally:
                 with self._lock:
+                    # Index before dropping inflight: once inflight is 0 the segment may be
+                    # recycled, and entries added after that would point into its next life.
+                    if written:
+                        for p in batch:
+                            self._apply(p.header, p.segment, p.offset)
                     self._segments[seg_no].inflight -= 1
                     self._cond.notify_all()
-            with self._lock:
-                for p in batch:
-                    self._apply(p.header, p.segment, p.offset)
             start += n
 
     def _write_batch(self, batch: list[_Pending]) -> None:
