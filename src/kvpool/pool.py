@@ -16,12 +16,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.buffers import byte_view
 from kvpool.config import Config, load_config
 from kvpool.errors import ChunkSizeError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy
 from kvpool.ssd.engine import SsdEngine
-from kvpool.tiers.dram import DramTier, byte_view
+from kvpool.tiers.dram import DramTier
 from kvpool.writebehind import WriteBehind
 
 

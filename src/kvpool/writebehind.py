@@ -14,11 +14,11 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.buffers import byte_view
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.ssd.directio import aligned_buffer
 from kvpool.ssd.engine import SsdEngine
-from kvpool.tiers.dram import byte_view
 
 log = logging.getLogger("kvpool.writebehind")
 

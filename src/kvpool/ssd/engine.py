@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvpool.buffers import byte_view
 from kvpool.errors import ChunkSizeError, CorruptRecordError, PoolClosedError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import make_segment_policy
@@ -94,15 +95,6 @@ class _ThreadBuffers(threading.local):
         if len(self.write) < nbytes:
             self.write = memoryview(aligned_buffer(nbytes))
         return self.write[:nbytes]
-
-
-def _byte_view(buf: Any, writable: bool) -> memoryview:
-    view = memoryview(buf)
-    if not view.c_contiguous:
-        raise ValueError("buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise ValueError("output buffer is read-only")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 class SsdEngine:
@@ -402,7 +394,7 @@ class SsdEngine:
         for key, ns, data in items:
             if len(key) != KEY_BYTES:
                 raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
-            view = _byte_view(data, writable=False)
+            view = byte_view(data, writable=False)
             if view.nbytes > self.max_payload:
                 raise ValueError(f"chunk of {view.nbytes} bytes does not fit ssd.segment_size="
                                  f"{self.segment_size}")
@@ -554,7 +546,7 @@ class SsdEngine:
         contents of ``out`` are unspecified. Raises ChunkSizeError if ``out`` has the wrong
         size, PoolClosedError after close."""
         self._check_open()
-        view = _byte_view(out, writable=True)
+        view = byte_view(out, writable=True)
         return self._read(key, self._locate(key), view)
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
@@ -562,7 +554,7 @@ class SsdEngine:
         self._check_open()
         if len(keys) != len(outs):
             raise ValueError("keys and outs differ in length")
-        views = [_byte_view(o, writable=True) for o in outs]
+        views = [byte_view(o, writable=True) for o in outs]
         locs = [self._locate(k) for k in keys]
         if len(keys) <= 1:
             return [self._read(k, loc, v) for k, loc, v in zip(keys, locs, views, strict=True)]

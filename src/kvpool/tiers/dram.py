@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.buffers import byte_view
 from kvpool.errors import ChunkSizeError, PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.policy import EvictionPolicy, make_eviction_policy
@@ -32,16 +33,6 @@ class _Entry:
     pins: int = 0
     on_lower: bool = False
     doomed: bool = False  # deleted while pinned: free the slot at the last unpin
-
-
-def byte_view(buf: Any, writable: bool = False) -> memoryview:
-    """A flat byte view of any C-contiguous buffer; raises ValueError otherwise."""
-    view = memoryview(buf)
-    if not view.c_contiguous:
-        raise ValueError("buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise ValueError("output buffer is read-only")
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 class PinnedView:
