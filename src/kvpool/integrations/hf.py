@@ -1,0 +1,276 @@
+"""Prefix reuse for Hugging Face transformers causal LMs (DESIGN.md section 7).
+
+For a prompt: build the namespace from the model config, ``lookup`` the longest cached
+chunk-aligned prefix, restore it into a DynamicCache, run the model over the suffix only, and
+save the new full chunks in the background while generation goes on. Chunk payloads are
+layer-major (layer 0's K then V, then layer 1 ...), each ``[kv_heads, chunk_tokens, head_dim]``
+in the model's dtype, so a layer-wise loader can read one layer as one slice.
+
+Failure contract: the store only accelerates. A miss or a chunk that fails verification
+shortens the restored prefix and the model recomputes the rest; a failed save is dropped. The
+generated tokens are the model's own either way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvpool.keys import KVLayout, Namespace
+
+_TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class ChunkStore(Protocol):
+    """What the integration needs from a store (KVPool and FilePerChunkPool provide it)."""
+
+    def register_namespace(self, ns: Namespace) -> Namespace: ...
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int: ...
+
+    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                      outs: Sequence[Any]) -> list[bool]: ...
+
+    def put(self, ns: Namespace, key: bytes, data: Any) -> bool: ...
+
+    def flush(self, timeout: float | None = None) -> bool: ...
+
+
+def _attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers; raises TypeError for layer kinds whose state is not plain K/V
+    (linear attention, ...), which this integration cannot store."""
+    layers = list(cache.layers)
+    odd = {type(layer).__name__ for layer in layers if not isinstance(layer, DynamicLayer)}
+    if odd:
+        raise TypeError(f"cache layers of type {sorted(odd)} are not supported; kvpool stores "
+                        "full and sliding-window attention K/V")
+    return cast(list[DynamicLayer], layers)
+
+
+def model_shape(model: Any) -> tuple[int, int, int, torch.dtype]:
+    """(layers, kv heads, head dim, dtype) of a decoder-only transformers model."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim, model.dtype
+
+
+def namespace_for(model: Any, chunk_tokens: int = 256, tenant_salt: str = "",
+                  model_id: str | None = None, revision: str = "main") -> Namespace:
+    """Namespace from the model config: model id, dtype, layers, KV heads, head dim and
+    chunk size. Raises ValueError for a dtype kvpool does not store."""
+    layers, kv_heads, head_dim, dtype = model_shape(model)
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype}")
+    name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    layout = KVLayout(dtype=_TORCH_DTYPES[dtype], num_layers=layers, num_kv_heads=kv_heads,
+                      head_dim=head_dim, chunk_tokens=chunk_tokens,
+                      engine_layout="hf:layer-major[k,v][kv_heads,tokens,head_dim]")
+    return Namespace(model=name, layout=layout, revision=revision, tenant_salt=tenant_salt)
+
+
+@dataclass
+class Prefill:
+    """Result of one prefill: last-position logits, the filled cache and where time went."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    prompt_tokens: int
+    cached_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    ttft_s: float
+    total_s: float
+    prefill: Prefill
+
+
+class PrefixCache:
+    """Prefill and greedy generation with prefix reuse through a chunk store.
+
+    ``store=None`` is plain recompute (the baseline), with the same code path otherwise.
+    """
+
+    def __init__(self, model: Any, store: ChunkStore | None, chunk_tokens: int = 256,
+                 tenant_salt: str = "", model_id: str | None = None) -> None:
+        self.model = model
+        self.store = store
+        self.ns = namespace_for(model, chunk_tokens, tenant_salt, model_id)
+        if store is not None:
+            store.register_namespace(self.ns)
+        self.layers, self.kv_heads, self.head_dim, self.dtype = model_shape(model)
+        _attention_layers(DynamicCache(config=model.config))  # fail now, not mid-request
+        self._staging: torch.Tensor | None = None
+        self._restored: torch.Tensor | None = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hf-save")
+        self._pending: list[Future[int]] = []
+        self._lock = threading.Lock()
+        self.saved_chunks = 0
+        self.dropped_saves = 0
+
+    # ------------------------------------------------------------------ restore
+    def reserve(self, tokens: int) -> None:
+        """Allocate and touch the restore buffers for prompts of up to ``tokens`` tokens now,
+        as engines preallocate their KV memory at start-up; otherwise the first long hit pays
+        the page faults of fresh memory (slower than the copies themselves here)."""
+        n = -(-tokens // self.ns.chunk_tokens)
+        self._chunk_buffer(n).zero_()
+        self._restore_target(n).zero_()
+
+    def _chunk_buffer(self, n: int) -> torch.Tensor:
+        """Staging for ``n`` chunks as stored: [n, L, 2, H, C, D], reused across requests."""
+        if self._staging is None or self._staging.shape[0] < n:
+            c = self.ns.chunk_tokens
+            self._staging = torch.empty((n, self.layers, 2, self.kv_heads, c, self.head_dim),
+                                        dtype=self.dtype)
+        return self._staging[:n]
+
+    def _restore_target(self, n: int) -> torch.Tensor:
+        """[L, 2, 1, H, n*C, D] per-layer contiguous K/V, reused across requests: the first
+        forward replaces every layer's tensors (DynamicLayer.update concatenates), so nothing
+        keeps pointing at it."""
+        c = self.ns.chunk_tokens
+        need = self.layers * 2 * self.kv_heads * n * c * self.head_dim
+        if self._restored is None or self._restored.numel() < need:
+            self._restored = torch.empty(need, dtype=self.dtype)
+        return self._restored[:need].view(self.layers, 2, 1, self.kv_heads, n * c,
+                                          self.head_dim)
+
+    def restore(self, keys: Sequence[bytes]) -> tuple[DynamicCache | None, int]:
+        """Load the longest run of ``keys`` the store can deliver into a fresh DynamicCache.
+        Returns (cache or None, restored chunks); a chunk that fails to load ends the run."""
+        if self.store is None or not keys:
+            return None, 0
+        buf = self._chunk_buffer(len(keys))
+        outs = [buf[i].view(torch.uint8).numpy().reshape(-1) for i in range(len(keys))]
+        found = self.store.get_many_into(self.ns, keys, outs)
+        n = found.index(False) if False in found else len(found)
+        if n == 0:
+            return None, 0
+        c = self.ns.chunk_tokens
+        kv = self._restore_target(n)  # one copy: [n, L, 2, H, C, D] -> [L, 2, 1, H, n*C, D]
+        kv.view(self.layers, 2, self.kv_heads, n, c, self.head_dim).copy_(
+            buf[:n].permute(1, 2, 3, 0, 4, 5))
+        cache = DynamicCache(config=self.model.config)
+        for layer_idx, layer in enumerate(_attention_layers(cache)):
+            keys_t, values_t = kv[layer_idx, 0], kv[layer_idx, 1]
+            if getattr(layer, "is_sliding", False):
+                layer.update(keys_t, values_t)  # keeps its window and sets cumulative_length
+            else:
+                layer.lazy_initialization(keys_t, values_t)
+                layer.keys, layer.values = keys_t, values_t
+        return cache, n
+
+    # ------------------------------------------------------------------ save
+    def _save(self, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
+              keys: list[bytes], first: int) -> int:
+        c = self.ns.chunk_tokens
+        span = slice(first * c, len(keys) * c)
+        # [L, 2, H, T_new, D] in one copy; each chunk is then one contiguous slice-copy
+        kv = torch.stack([torch.stack([k[0, :, span], v[0, :, span]]) for k, v in cache_layers])
+        stored = 0
+        for j, key in enumerate(keys[first:]):
+            chunk = kv[:, :, :, j * c:(j + 1) * c]
+            if self.store is not None and self.store.put(self.ns, key, payload_to_numpy(chunk)):
+                stored += 1
+        with self._lock:
+            self.saved_chunks += stored
+            self.dropped_saves += (len(keys) - first) - stored
+        return stored
+
+    def save_async(self, cache: DynamicCache, keys: Sequence[bytes], first: int) -> None:
+        """Hand chunks ``first..len(keys)`` of a filled cache to the store in the background.
+        Layers whose cache no longer holds every token (sliding windows) make the chunks
+        unsavable: they are skipped and counted as dropped."""
+        if self.store is None or first >= len(keys):
+            return
+        total = len(keys) * self.ns.chunk_tokens
+        layers = [(layer.keys, layer.values) for layer in _attention_layers(cache)
+                  if layer.keys is not None and layer.values is not None]
+        if len(layers) != self.layers or any(k.shape[-2] < total for k, _ in layers):
+            with self._lock:
+                self.dropped_saves += len(keys) - first
+            return
+        # cache tensors are replaced, never written in place, as generation goes on, so the
+        # saver may read these references while the model keeps decoding
+        self._pending.append(self._saver.submit(self._save, layers, list(keys), first))
+
+    def flush(self) -> None:
+        """Wait for background saves, then for the store's own write-behind."""
+        for fut in self._pending:
+            fut.result()
+        self._pending.clear()
+        if self.store is not None:
+            self.store.flush()
+
+    # ------------------------------------------------------------------ prefill / generate
+    @torch.inference_mode()
+    def prefill(self, input_ids: Sequence[int]) -> Prefill:
+        """Restore what the store has, compute the rest, start saving new chunks."""
+        ids = list(input_ids)
+        if not ids:
+            raise ValueError("empty prompt")
+        t0 = time.perf_counter()
+        keys = self.ns.chunk_keys(ids) if self.store is not None else []
+        # at least one token must run through the model to produce the next-token logits
+        usable = min(len(keys), (len(ids) - 1) // self.ns.chunk_tokens)
+        hit = self.store.lookup(self.ns, keys[:usable]) if self.store is not None and usable else 0
+        t1 = time.perf_counter()
+        cache, restored = self.restore(keys[:hit])
+        t2 = time.perf_counter()
+        cached = restored * self.ns.chunk_tokens
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        suffix = torch.tensor([ids[cached:]], dtype=torch.long)
+        out = self.model(input_ids=suffix, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1]
+        t3 = time.perf_counter()
+        self.save_async(out.cache, keys, restored)
+        return Prefill(logits=logits, cache=out.cache, prompt_tokens=len(ids),
+                       cached_tokens=cached,
+                       timings={"lookup_s": t1 - t0, "load_s": t2 - t1, "forward_s": t3 - t2})
+
+    @torch.inference_mode()
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int,
+                 eos_token_id: int | None = None) -> Generation:
+        """Greedy decoding; ``ttft_s`` is the time to the first generated token."""
+        start = time.perf_counter()
+        pre = self.prefill(input_ids)
+        token = int(torch.argmax(pre.logits))
+        ttft = time.perf_counter() - start
+        tokens = [token]
+        cache = pre.cache
+        while len(tokens) < max_new_tokens and token != eos_token_id:
+            out = self.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True,
+                             logits_to_keep=1)
+            cache = out.cache
+            token = int(torch.argmax(out.logits[0, -1]))
+            tokens.append(token)
+        return Generation(tokens=tokens, ttft_s=ttft, total_s=time.perf_counter() - start,
+                          prefill=pre)
+
+    def close(self) -> None:
+        self.flush()
+        self._saver.shutdown(wait=True)
+
+
+def payload_to_numpy(chunk: torch.Tensor) -> np.ndarray:
+    """Flat uint8 view of a contiguous tensor (no copy)."""
+    return chunk.contiguous().view(torch.uint8).numpy().reshape(-1)

@@ -1,0 +1,76 @@
+"""The chunk-store interface over a file-per-chunk store: the file-system approach kvpool
+replaces, driven by the very same engine integration so the two compare on equal terms."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpool.buffers import byte_view
+from kvpool.errors import ChunkSizeError, UnknownNamespaceError
+from kvpool.keys import Namespace
+from kvpool.peers.file_per_chunk import FilePerChunkStore
+
+
+class FilePerChunkPool:
+    """One FilePerChunkStore directory per namespace; same methods as KVPool that engine
+    integrations use (register_namespace, lookup, get_many_into, put, flush, stats, close).
+    No DRAM tier and no checksum: every read goes to the file system."""
+
+    def __init__(self, directory: str | Path, durable: bool = False) -> None:
+        self._root = Path(directory)
+        self._durable = durable
+        self._stores: dict[bytes, FilePerChunkStore] = {}
+        self._counters = dict.fromkeys(("hits", "misses", "puts"), 0)
+
+    def register_namespace(self, ns: Namespace) -> Namespace:
+        if ns.id not in self._stores:
+            self._stores[ns.id] = FilePerChunkStore(self._root / ns.id.hex(), self._durable)
+        return ns
+
+    def _store(self, ns: Namespace) -> FilePerChunkStore:
+        try:
+            return self._stores[ns.id]
+        except KeyError:
+            raise UnknownNamespaceError(f"namespace {ns.id.hex()} is not registered") from None
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        store = self._store(ns)
+        for i, key in enumerate(keys):
+            if not store.contains(key):
+                return i
+        return len(keys)
+
+    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                      outs: Sequence[Any]) -> list[bool]:
+        store = self._store(ns)
+        found = []
+        for key, out in zip(keys, outs, strict=True):
+            view = byte_view(out, writable=True)
+            if view.nbytes != ns.chunk_bytes:
+                raise ChunkSizeError(f"output buffer has {view.nbytes} bytes, chunks "
+                                     f"{ns.chunk_bytes}")
+            hit = store.get_into(key, view)
+            self._counters["hits" if hit else "misses"] += 1
+            found.append(hit)
+        return found
+
+    def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
+        self._counters["puts"] += 1
+        return self._store(ns).put(key, data)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def drop_page_cache(self) -> None:
+        for store in self._stores.values():
+            store.drop_page_cache()
+
+    def stats(self) -> dict[str, Any]:
+        return {"file_per_chunk": dict(self._counters)}
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
