@@ -143,3 +143,30 @@ def test_second_use_admission_skips_one_hit_chunks(tmp_path: Path) -> None:
         assert stats["dram"]["evictions"] == 4 + 30 - 16
         assert stats["ssd"]["records"] == 4  # only the reused chunks were admitted
         assert all(pool.contains(ns, x) for x in read_twice)
+
+
+def test_pin_many_gives_zero_copy_views_of_dram_chunks(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    cfg = small_config(tmp_path, dram={"eviction": "lru", "put_wait_s": 0.01})
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(20)]  # DRAM holds 16: the first 4 were demoted
+        pool.put_many(ns, keys, [payload_for(x) for x in keys])
+        pool.flush()
+        views = pool.pin_many(ns, keys + [k(99)])
+        assert [v is None for v in views] == [True] * 4 + [False] * 16 + [True]
+        for x, v in zip(keys[4:], views[4:20], strict=True):
+            assert v is not None and np.array_equal(np.frombuffer(v.data, np.uint8),
+                                                    payload_for(x))
+        # pinned slots survive pressure (those puts are dropped, not waited for); released
+        # ones can go
+        more = [k(200 + i) for i in range(16)]
+        assert pool.put_many(ns, more, [payload_for(x) for x in more]) == 0
+        assert pool.stats()["dram"]["dropped_puts"] == 16
+        assert all(pool._dram is not None and pool._dram.contains(x) for x in keys[4:])
+        for v in views:
+            if v is not None:
+                v.release()
+        pool.put_many(ns, [k(300 + i) for i in range(16)],
+                      [payload_for(k(300 + i)) for i in range(16)])
+        assert not any(pool._dram is not None and pool._dram.contains(x) for x in keys[4:])

@@ -17,6 +17,10 @@ def _build_parser() -> argparse.ArgumentParser:
     config.add_argument("--config", help="YAML file (default: $KVPOOL_CONFIG)")
     config.add_argument("--doc", action="store_true", help="print every knob as Markdown")
     config.set_defaults(func=_config_command)
+    demo = sub.add_parser("demo", help="prefix reuse with a real model: TTFT in every mode")
+    from kvpool.demo import cli as demo_cli
+    demo_cli.add_arguments(demo)
+    demo.set_defaults(func=demo_cli.run_from_args)
     bench = sub.add_parser("bench", help="benchmarks beside their references")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
     storage = bench_sub.add_parser("storage", help="DRAM arena and SSD engine vs memcpy, "

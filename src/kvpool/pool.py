@@ -22,7 +22,7 @@ from kvpool.errors import ChunkSizeError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy
 from kvpool.ssd.engine import SsdEngine
-from kvpool.tiers.dram import DramTier
+from kvpool.tiers.dram import DramTier, PinnedView
 from kvpool.writebehind import WriteBehind
 
 
@@ -160,6 +160,19 @@ class KVPool:
                     self._counters["promotions"] += 1
         self._counters["misses"] += found.count(False)
         return found
+
+    def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
+        """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,
+        which get_many_into can still fetch). Each view pins its slot until ``release()``:
+        release every one, or the slots can never be evicted."""
+        self._registered(ns)
+        for key in keys:
+            self._check_key(key)
+        if self._dram is None:
+            return [None] * len(keys)
+        views = [self._dram.view(key) for key in keys]
+        self._counters["dram_hits"] += sum(v is not None for v in views)
+        return views
 
     def _present(self, key: bytes) -> bool:
         return ((self._dram is not None and self._dram.contains(key))

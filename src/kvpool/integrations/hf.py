@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -155,19 +156,41 @@ class PrefixCache:
 
     def restore(self, keys: Sequence[bytes]) -> tuple[DynamicCache | None, int]:
         """Load the longest run of ``keys`` the store can deliver into a fresh DynamicCache.
-        Returns (cache or None, restored chunks); a chunk that fails to load ends the run."""
+        Returns (cache or None, restored chunks); a chunk that fails to load ends the run.
+
+        Chunks resident in DRAM are copied straight from pinned slots into the cache tensors
+        (one copy); the others go through the staging buffer (get_many_into, then a copy)."""
         if self.store is None or not keys:
             return None, 0
-        buf = self._chunk_buffer(len(keys))
-        outs = [buf[i].view(torch.uint8).numpy().reshape(-1) for i in range(len(keys))]
-        found = self.store.get_many_into(self.ns, keys, outs)
-        n = found.index(False) if False in found else len(found)
-        if n == 0:
-            return None, 0
-        c = self.ns.chunk_tokens
-        kv = self._restore_target(n)  # one copy: [n, L, 2, H, C, D] -> [L, 2, 1, H, n*C, D]
-        kv.view(self.layers, 2, self.kv_heads, n, c, self.head_dim).copy_(
-            buf[:n].permute(1, 2, 3, 0, 4, 5))
+        pin = getattr(self.store, "pin_many", None)
+        views: list[Any] = pin(self.ns, keys) if pin is not None else [None] * len(keys)
+        try:
+            missing = [i for i, v in enumerate(views) if v is None]
+            buf = self._chunk_buffer(len(keys))
+            fetched = dict(zip(missing, self.store.get_many_into(
+                self.ns, [keys[i] for i in missing],
+                [buf[i].view(torch.uint8).numpy().reshape(-1) for i in missing]),
+                strict=True)) if missing else {}
+            n = next((i for i in range(len(keys)) if views[i] is None and not fetched[i]),
+                     len(keys))
+            if n == 0:
+                return None, 0
+            c = self.ns.chunk_tokens
+            kv = self._restore_target(n)  # [L, 2, 1, H, n*C, D]: per-layer contiguous K/V
+            by_chunk = kv.view(self.layers, 2, self.kv_heads, n, c, self.head_dim)
+            stored_shape = (self.layers, 2, self.kv_heads, c, self.head_dim)
+            with warnings.catch_warnings():  # pinned slots are read-only; we only read them
+                warnings.simplefilter("ignore", UserWarning)
+                for i in range(n):
+                    # a temporary: its export of the slot ends with the statement, before
+                    # release() below
+                    by_chunk[:, :, :, i].copy_(
+                        torch.frombuffer(views[i].data, dtype=self.dtype).view(stored_shape)
+                        if views[i] is not None else buf[i])
+        finally:
+            for view in views:
+                if view is not None:
+                    view.release()
         cache = DynamicCache(config=self.model.config)
         for layer_idx, layer in enumerate(_attention_layers(cache)):
             keys_t, values_t = kv[layer_idx, 0], kv[layer_idx, 1]

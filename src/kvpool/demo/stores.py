@@ -1,0 +1,58 @@
+"""The stores the demo compares, built fresh for each mode in a scratch directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvpool.config import config_from_dict
+from kvpool.demo.modes import MODES
+from kvpool.integrations.hf import ChunkStore
+from kvpool.peers.file_pool import FilePerChunkPool
+from kvpool.pool import KVPool
+from kvpool.record import round_up
+
+
+def make_store(mode: str, workdir: Path, chunk_bytes: int, dram_bytes: int,
+               ssd_bytes: int) -> ChunkStore | None:
+    """None for recompute. Raises ValueError for an unknown mode."""
+    slab = max(64 << 20, round_up(chunk_bytes))
+    segment = max(256 << 20, 2 * round_up(chunk_bytes + 4096))
+    base: dict[str, Any] = {
+        "cache_dir": str(workdir / mode),
+        "dram": {"capacity": dram_bytes, "slab_size": slab},
+        "ssd": {"capacity": max(ssd_bytes, 2 * segment), "segment_size": segment},
+    }
+    if mode == "recompute":
+        return None
+    if mode == "kvpool":
+        return KVPool(config_from_dict(base))
+    if mode == "kvpool-ssd":
+        base["dram"]["capacity"] = 0
+        return KVPool(config_from_dict(base))
+    if mode == "file-per-chunk":
+        return FilePerChunkPool(workdir / mode)
+    raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+
+
+def make_cold(store: ChunkStore | None) -> None:
+    """Before each request: the file-per-chunk store loses its page cache, as its chunks
+    would on a serving node whose page cache cannot hold the KV (kvpool-ssd reads with
+    O_DIRECT, so it is always cold)."""
+    if isinstance(store, FilePerChunkPool):
+        store.drop_page_cache()
+
+
+def tier_hits(store: ChunkStore | None) -> dict[str, int]:
+    """Chunk hits per tier so far."""
+    if isinstance(store, KVPool):
+        p = store.stats()["pool"]
+        return {"dram": p["dram_hits"] + p["staged_hits"], "ssd": p["ssd_hits"]}
+    if isinstance(store, FilePerChunkPool):
+        return {"files": store.stats()["file_per_chunk"]["hits"]}
+    return {}
+
+
+def close_store(store: ChunkStore | None) -> None:
+    if isinstance(store, KVPool | FilePerChunkPool):
+        store.close()

@@ -1,0 +1,54 @@
+"""`kvpool demo` end to end on a small random-weight Llama (the real SmolLM2 path is exercised
+by test_models.py and by `make demo`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
+pytest.importorskip("matplotlib", reason="the hf extra (matplotlib) is not installed")
+
+from kvpool.cli import main
+
+
+def test_quick_demo_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    rc = main(["demo", "--quick", "--model", "tiny", "--out", str(out), "--json",
+               str(out / "r.json"), "--dram", "256MiB", "--ssd", "1GiB"])
+    data = json.loads((out / "r.json").read_text())
+    assert rc == 0
+    assert data["outputs_identical"] is True
+    assert set(data["modes"]) == {"recompute", "kvpool", "kvpool-ssd", "file-per-chunk"}
+    for key in ("ttft_dram_vs_recompute", "ttft_ssd_vs_recompute", "ttft_vs_file_per_chunk"):
+        assert data["ratios"][key] > 0
+    assert data["ratios"]["longest_prefix_tokens"] > 0
+    kv = data["modes"]["kvpool"]
+    assert kv["hit_rate"] > 0.3 and kv["chunk_hits_by_tier"]["dram"] > 0
+    assert data["modes"]["kvpool-ssd"]["chunk_hits_by_tier"]["ssd"] > 0
+    assert data["modes"]["recompute"]["hit_rate"] == 0
+    requests = [r for r in data["requests"] if r["mode"] == "kvpool"]
+    assert {r["name"].split()[0] for r in requests} == {"chat", "doc"}
+    assert (out / "ttft.png").stat().st_size > 10_000
+    assert not (out / "scratch").exists()
+
+
+def test_trace_replay_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 2048, "output_length": 5, "hash_ids": [1, 2, 3, 4]},
+            {"timestamp": 5, "input_length": 1600, "output_length": 5, "hash_ids": [1, 2, 9, 10]},
+            {"timestamp": 9, "input_length": 2048, "output_length": 5, "hash_ids": [1, 2, 3, 4]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    rc = main(["demo", "--quick", "--model", "tiny", "--trace", str(trace), "--out", str(out),
+               "--modes", "kvpool", "--dram", "256MiB", "--ssd", "1GiB"])
+    data = json.loads((out / "demo.json").read_text())
+    assert rc == 0 and data["outputs_identical"] is True
+    kv = {r["name"]: r for r in data["requests"] if r["mode"] == "kvpool"}
+    cached = [r["cached_tokens"] for r in kv.values()]
+    # request 2 shares blocks 1-2 with request 1; request 3 repeats request 1 entirely
+    assert cached[0] == 0 and cached[1] == 2 * data["chunk_tokens"] and cached[2] > cached[1]
