@@ -153,7 +153,7 @@ def test_pin_many_gives_zero_copy_views_of_dram_chunks(tmp_path: Path) -> None:
         keys = [k(i) for i in range(20)]  # DRAM holds 16: the first 4 were demoted
         pool.put_many(ns, keys, [payload_for(x) for x in keys])
         pool.flush()
-        views = pool.pin_many(ns, keys + [k(99)])
+        views = pool.pin_many(ns, [*keys, k(99)])
         assert [v is None for v in views] == [True] * 4 + [False] * 16 + [True]
         for x, v in zip(keys[4:], views[4:20], strict=True):
             assert v is not None and np.array_equal(np.frombuffer(v.data, np.uint8),
