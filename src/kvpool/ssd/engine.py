@@ -44,13 +44,13 @@ from kvpool.record import (
 )
 from kvpool.ssd.directio import DirectMode, aligned_buffer, is_direct_capable
 from kvpool.ssd.index import CompactIndex, Location
-from kvpool.ssd.segments import SegmentHeader, SegmentStore, unpack_segment_header
+from kvpool.ssd.recovery import scan_media
+from kvpool.ssd.segments import SegmentHeader, SegmentStore
 
 log = logging.getLogger("kvpool.ssd")
 
 Durability = Literal["cache", "durable"]
 EPOCH_SHIFT = 40  # seq = epoch << 40 | counter; every open starts a new epoch
-TAIL_VERIFY_BYTES = 64 << 20  # payloads re-verified at the end of the newest segment on open
 MAX_IOV = 512
 MAX_WRITE_BYTES = 64 << 20
 
@@ -164,92 +164,23 @@ class SsdEngine:
         return os.preadv(self._store.fd(segment), [out], self._store.base(segment) + offset)
 
     def _recover(self) -> int:
-        block = self._tls.header
-        found: list[tuple[int, int, int, RecordHeader]] = []
-        max_seq = 0
-        newest = -1
-        for seg_no, seg in enumerate(self._segments):
-            try:
-                self._read_block(seg_no, 0, block)
-            except OSError:
+        """Rebuild segments and index from the media; returns the first seq of this open
+        (a new epoch, above every seq the media may hold)."""
+        scan = scan_media(self._store)
+        for seg_no, scanned in enumerate(scan.segments):
+            if scanned is None:
                 self._free.append(seg_no)
-                continue
-            sh = unpack_segment_header(block)
-            if sh is None or sh.segment_size != self.segment_size or sh.number != seg_no:
-                self._free.append(seg_no)
-                continue
-            seg.state, seg.start_seq = _SEALED, sh.start_seq
-            max_seq = max(max_seq, sh.start_seq)
-            if newest < 0 or sh.start_seq > self._segments[newest].start_seq:
-                newest = seg_no
-            seg.write_off = self._scan_segment(seg_no, sh.start_seq, found)
-        if newest >= 0:
-            self._discard_torn_tail(newest, found)
-        found.sort(key=lambda r: r[0])
-        for seq, seg_no, offset, h in found:
-            max_seq = max(max_seq, seq)
-            self._apply(h, seg_no, offset)
+            else:
+                seg = self._segments[seg_no]
+                seg.state, seg.start_seq, seg.write_off = _SEALED, scanned.start_seq, scanned.end
+        self._counters["torn_discarded"] += scan.torn_discarded
+        for record in scan.records:
+            self._apply(record.header, record.segment, record.offset)
         self._fifo.extend(sorted((i for i, s in enumerate(self._segments) if s.state == _SEALED),
                                  key=lambda i: self._segments[i].start_seq))
-        if found:
+        if scan.records:
             log.info("ssd: recovered %d records in %d segments", len(self._index), len(self._fifo))
-        return ((max_seq >> EPOCH_SHIFT) + 1) << EPOCH_SHIFT
-
-    def _scan_segment(self, seg_no: int, start_seq: int,
-                      found: list[tuple[int, int, int, RecordHeader]]) -> int:
-        """Walk a segment's records until the first invalid, out-of-order or overlong one
-        (the end of what was written in this segment's current life). Returns the end."""
-        block = self._tls.header
-        offset, prev_seq = HEADER_BLOCK, start_seq
-        while offset + HEADER_BLOCK <= self.segment_size:
-            try:
-                if self._read_block(seg_no, offset, block) < HEADER_BLOCK:
-                    break
-                h = unpack_header(block)
-            except (OSError, CorruptRecordError):
-                break
-            size = record_size(h.payload_len)
-            if h.seq <= prev_seq or offset + size > self.segment_size:
-                break
-            found.append((h.seq, seg_no, offset, h))
-            prev_seq, offset = h.seq, offset + size
-        return offset
-
-    def _discard_torn_tail(self, seg_no: int,
-                           found: list[tuple[int, int, int, RecordHeader]]) -> None:
-        """Drop the trailing run of records whose payload fails its checksum at the end of the
-        newest segment: writes torn by a crash. A bad record followed by a good one is not a
-        tear (writes are ordered); it stays indexed and its reads become counted misses, so
-        the acknowledged records after it survive."""
-        mine = sorted((r for r in found if r[1] == seg_no), key=lambda r: r[0])
-        tail_start = self._segments[seg_no].write_off - TAIL_VERIFY_BYTES
-        torn: list[tuple[int, int, int, RecordHeader]] = []
-        for record in reversed(mine):
-            _, _, offset, h = record
-            if offset < tail_start or h.is_tombstone or self._payload_ok(seg_no, offset, h):
-                break
-            torn.append(record)
-        if torn:
-            self._counters["torn_discarded"] += len(torn)
-            cut = {r[0] for r in torn}
-            found[:] = [r for r in found if not (r[1] == seg_no and r[0] in cut)]
-            first_torn = torn[-1][2]
-            # Persist the cut: a zeroed header ends every later scan here, so the torn
-            # records do not come back once this segment is no longer the newest.
-            os.pwritev(self._store.fd(seg_no), [memoryview(aligned_buffer(BLOCK))],
-                       self._store.base(seg_no) + first_torn)
-            self._store.sync(seg_no)
-            self._segments[seg_no].write_off = first_torn
-            log.warning("ssd: discarded %d torn record(s) at the log tail", len(torn))
-
-    def _payload_ok(self, seg_no: int, offset: int, h: RecordHeader) -> bool:
-        padded = round_up(h.payload_len)
-        buf = self._tls.staging_of(padded)
-        try:
-            n = self._read_block(seg_no, offset + HEADER_BLOCK, buf)
-        except OSError:
-            return False
-        return n >= h.payload_len and payload_checksum(buf[:h.payload_len]) == h.checksum
+        return ((scan.max_seq >> EPOCH_SHIFT) + 1) << EPOCH_SHIFT
 
     def _ns_index(self, ns_id: bytes) -> int:
         idx = self._ns_lookup.get(ns_id)
