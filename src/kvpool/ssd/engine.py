@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import xxhash
 
 from kvpool.buffers import byte_view
 from kvpool.errors import ChunkSizeError, CorruptRecordError, PoolClosedError
@@ -53,6 +54,12 @@ Durability = Literal["cache", "durable"]
 EPOCH_SHIFT = 40  # seq = epoch << 40 | counter; every open starts a new epoch
 MAX_IOV = 512
 MAX_WRITE_BYTES = 64 << 20
+
+# A single large get_into is read in pieces so the checksum overlaps the IO (batched reads
+# already overlap one another on the IO pool and are not split).
+PIPELINE_MIN_BYTES = 1 << 20
+PIPELINE_PIECE_BYTES = 512 << 10
+PIPELINE_THREADS = 2
 
 _FREE, _ACTIVE, _SEALED = 0, 1, 2
 _ZERO_HEADER_TAIL = bytes(HEADER_BLOCK - HEADER_SIZE)
@@ -137,6 +144,7 @@ class SsdEngine:
         self._closed = False
         self._tls = _ThreadBuffers()
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-ssd")
+        self._pieces = ThreadPoolExecutor(PIPELINE_THREADS, thread_name_prefix="kvpool-ssd-piece")
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "put_bytes", "gets", "hits", "misses", "checksum_failures", "stale_reads",
              "io_errors", "segments_evicted", "records_evicted", "copied_forward",
@@ -478,7 +486,7 @@ class SsdEngine:
         size, PoolClosedError after close."""
         self._check_open()
         view = byte_view(out, writable=True)
-        return self._read(key, self._locate(key), view)
+        return self._read(key, self._locate(key), view, pipelined=True)
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         """Parallel reads on the IO thread pool; same contract as get_into per key."""
@@ -491,7 +499,8 @@ class SsdEngine:
             return [self._read(k, loc, v) for k, loc, v in zip(keys, locs, views, strict=True)]
         return list(self._io.map(self._read, keys, locs, views))
 
-    def _read(self, key: bytes, loc: Location | None, out: memoryview) -> bool:
+    def _read(self, key: bytes, loc: Location | None, out: memoryview,
+              pipelined: bool = False) -> bool:
         self._counters["gets"] += 1
         if loc is None:
             self._counters["misses"] += 1
@@ -502,30 +511,41 @@ class SsdEngine:
                                  f"record of {loc.blocks * BLOCK} bytes")
         fd, pos = self._store.fd(loc.segment), self._store.base(loc.segment) + loc.block * BLOCK
         hblock = self._tls.header
+        direct_into_out = not self._store.direct or is_direct_capable(out)
+        payload = out if direct_into_out else self._tls.staging_of(round_up(nbytes))
+        # One thread reads header + first piece and hashes each piece as it lands while the
+        # piece pool reads the rest: the checksum no longer waits for the whole IO.
+        split = pipelined and direct_into_out and nbytes >= PIPELINE_MIN_BYTES
+        first = PIPELINE_PIECE_BYTES if split else len(payload)
+        rest = [(o, min(PIPELINE_PIECE_BYTES, nbytes - o))
+                for o in range(first, nbytes, PIPELINE_PIECE_BYTES)] if split else []
+        futures = [self._pieces.submit(os.preadv, fd, [payload[o:o + n]],
+                                       pos + HEADER_BLOCK + o) for o, n in rest]
         try:
-            if not self._store.direct or is_direct_capable(out):
-                got = os.preadv(fd, [hblock, out], pos)
-                payload = out
-            else:
-                staging = self._tls.staging_of(round_up(nbytes))
-                got = os.preadv(fd, [hblock, staging], pos)
-                payload = staging[:nbytes]
+            got = os.preadv(fd, [hblock, payload[:first]], pos)
             h = unpack_header(hblock)
+            hasher = xxhash.xxh3_64(payload[:min(first, nbytes)])
+            for future, (o, n) in zip(futures, rest, strict=True):
+                got += future.result()
+                hasher.update(payload[o:o + n])
         except OSError as exc:
             self._counters["io_errors"] += 1
             log.warning("ssd: read error %s; served as a miss", exc)
             return self._miss()
         except CorruptRecordError as exc:
             return self._corrupt(key, loc, str(exc))
+        finally:
+            for future in futures:  # never leave a piece landing in `out` after we return
+                future.exception()
         if h.key != key:  # the segment was recycled under us: the record is simply gone
             self._counters["stale_reads"] += 1
             return self._miss()
         if got < HEADER_BLOCK + nbytes or h.payload_len != nbytes or h.is_tombstone:
             return self._corrupt(key, loc, "length mismatch")
-        if payload_checksum(payload) != h.checksum:
+        if hasher.intdigest() != h.checksum:
             return self._corrupt(key, loc, "payload checksum mismatch")
         if payload is not out:
-            out[:] = payload
+            out[:] = payload[:nbytes]
         self._counters["hits"] += 1
         return True
 
@@ -562,4 +582,5 @@ class SsdEngine:
             while any(s.inflight for s in self._segments):
                 self._cond.wait()
         self._io.shutdown(wait=True)
+        self._pieces.shutdown(wait=True)
         self._store.close()

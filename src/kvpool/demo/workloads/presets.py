@@ -97,8 +97,8 @@ def build_streams(args: argparse.Namespace, tokenizer: Any,
     """The demo's workloads from its CLI arguments: (chunk tokens, description, make_streams).
 
     Reads ``args.quick``, ``args.workloads``, ``args.trace``, ``args.trace_start``,
-    ``args.trace_requests`` and ``args.chunk_tokens`` (None: DEMO_CHUNK_TOKENS, or the scaled trace block with
-    ``--trace``).
+    ``args.trace_requests`` and ``args.chunk_tokens`` (None: DEMO_CHUNK_TOKENS, or the scaled
+    trace block with ``--trace``).
     ``make_streams()`` returns fresh streams for one replay (chat sessions start empty).
     Raises ValueError for unknown workloads or prompts longer than the model's context.
     """
