@@ -15,7 +15,8 @@ import pytest
 
 from kvpool.demo import workloads as w
 
-REAL_TRACE = Path("/work/shared/traces/synthetic_trace.jsonl")
+# shared/ lies beside the checkout (here and in CI)
+REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}")
