@@ -4,6 +4,8 @@ import threading
 import numpy as np
 import pytest
 from conftest import CHUNK, byte_namespace, payload_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.errors import ChunkSizeError, PoolClosedError
 from kvpool.keys import Namespace
@@ -187,3 +189,30 @@ def test_shared_memory_arena(tmp_path: object) -> None:
         assert payload_for(k(1)).tobytes() in f.read()
     tier.close()
     assert not os.path.exists(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.sampled_from([1, 2, 3]),
+                          st.integers(0, 1000)), max_size=300))
+def test_arena_never_overlaps_or_exceeds_capacity(ops: list[tuple[str, int, int]]) -> None:
+    """Random allocs and frees across three size classes: live slots never overlap, stay
+    page-aligned inside the arena, and a class only fails when no slab is left for it."""
+    arena = SlotArena(4 * SLAB, SLAB)
+    live: dict[int, int] = {}  # offset -> slot size
+    for op, units, pick in ops:
+        size = units * CHUNK
+        if op == "alloc":
+            offset = arena.alloc(size)
+            if offset is None:
+                cls = arena.size_class(size)
+                assert not cls.free and len(cls.slabs) + sum(
+                    len(c.slabs) for s, c in arena.classes.items() if s != size) == 4
+                continue
+            assert offset % 4096 == 0 and offset + size <= arena.capacity
+            assert all(offset + size <= o or o + s <= offset for o, s in live.items())
+            live[offset] = size
+        elif live:
+            offset = sorted(live)[pick % len(live)]
+            arena.free(live.pop(offset), offset)
+    for size, cls in arena.classes.items():
+        assert cls.used == sum(1 for s in live.values() if s == size)
