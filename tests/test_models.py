@@ -181,14 +181,14 @@ def test_interrupted_conversion_leaves_nothing(tmp_path: Path,
         (dest / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_smollm2_source", lambda: FAKE_SOURCE)
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
-    monkeypatch.setattr(models, "_convert_gguf", dies_halfway)
+    monkeypatch.setattr(models.smollm2, "_smollm2_source", lambda: FAKE_SOURCE)
+    monkeypatch.setattr(models.smollm2, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(models.smollm2, "_convert_gguf", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
         smollm2_hf_dir(tmp_path / "cache")
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
-    monkeypatch.setattr(models, "_convert_gguf", _fake_convert)
+    monkeypatch.setattr(models.smollm2, "_convert_gguf", _fake_convert)
     target = smollm2_hf_dir(tmp_path / "cache")
     assert target == tmp_path / "cache" / "models" / "smollm2-135m-instruct"
     assert (target / "config.json").exists()
@@ -203,13 +203,13 @@ def test_copy_from_another_gguf_is_replaced(tmp_path: Path,
         calls.append(dest)
         _fake_convert(gguf, dest)
 
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
-    monkeypatch.setattr(models, "_convert_gguf", convert)
-    monkeypatch.setattr(models, "_smollm2_source", lambda: FAKE_SOURCE)
+    monkeypatch.setattr(models.smollm2, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(models.smollm2, "_convert_gguf", convert)
+    monkeypatch.setattr(models.smollm2, "_smollm2_source", lambda: FAKE_SOURCE)
     target = smollm2_hf_dir(tmp_path)
     smollm2_hf_dir(tmp_path)
     assert len(calls) == 1
-    monkeypatch.setattr(models, "_smollm2_source", lambda: {**FAKE_SOURCE, "version": "1"})
+    monkeypatch.setattr(models.smollm2, "_smollm2_source", lambda: {**FAKE_SOURCE, "version": "1"})
     assert smollm2_hf_dir(tmp_path) == target
     assert len(calls) == 2
     marker = json.loads((target / "kvpool-converted.json").read_text())
@@ -220,7 +220,7 @@ def test_copy_from_another_gguf_is_replaced(tmp_path: Path,
     def unavailable() -> dict[str, Any]:
         raise ModelUnavailableError("gone")
 
-    monkeypatch.setattr(models, "_smollm2_source", unavailable)
+    monkeypatch.setattr(models.smollm2, "_smollm2_source", unavailable)
     assert smollm2_hf_dir(tmp_path) == target
     with pytest.raises(ModelUnavailableError):
         smollm2_hf_dir(tmp_path / "elsewhere")
@@ -229,9 +229,9 @@ def test_copy_from_another_gguf_is_replaced(tmp_path: Path,
 def test_default_cache_dir_comes_from_config(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cfg-cache"))
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
-    monkeypatch.setattr(models, "_convert_gguf", _fake_convert)
-    monkeypatch.setattr(models, "_smollm2_source", lambda: FAKE_SOURCE)
+    monkeypatch.setattr(models.smollm2, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(models.smollm2, "_convert_gguf", _fake_convert)
+    monkeypatch.setattr(models.smollm2, "_smollm2_source", lambda: FAKE_SOURCE)
     assert smollm2_hf_dir() == tmp_path / "cfg-cache" / "models" / "smollm2-135m-instruct"
 
 
@@ -301,7 +301,7 @@ def test_smollm2_second_load_uses_copy(smollm2_cache: Path,
     def no_conversion(gguf: Path, dest: Path) -> None:
         raise AssertionError("the GGUF was converted again")
 
-    monkeypatch.setattr(models, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(models.smollm2, "_convert_gguf", no_conversion)
     with caplog.at_level(logging.INFO, logger="kvpool.integrations.models"):
         model, _ = load_smollm2(cache)
     assert "from the converted copy" in caplog.text
