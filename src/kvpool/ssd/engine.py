@@ -93,6 +93,7 @@ class SsdEngine:
         self._ns_lookup: dict[bytes, int] = {}
         self._closed = False
         self._tls = ThreadBuffers()
+        self._io_threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-ssd")
         self._pieces = ThreadPoolExecutor(PIPELINE_THREADS, thread_name_prefix="kvpool-ssd-piece")
         self._counters: dict[str, int] = dict.fromkeys(
@@ -127,7 +128,7 @@ class SsdEngine:
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> None:
         """Rebuild segments and index from the media (the log starts a new seq epoch)."""
-        scan = scan_media(self._store)
+        scan = scan_media(self._store, threads=self._io_threads)
         self._log.restore(scan)
         self._counters["torn_discarded"] += scan.torn_discarded
         for record in scan.records:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvpool.errors import CorruptRecordError
@@ -65,30 +66,44 @@ def _read(store: SegmentStore, segment: int, offset: int, out: memoryview) -> in
     return os.preadv(store.fd(segment), [out], store.base(segment) + offset)
 
 
-def scan_media(store: SegmentStore) -> Scan:
+def scan_media(store: SegmentStore, threads: int = 4) -> Scan:
     """Read every segment header and record header (IO errors read as the end of a segment).
-    Writes only to persist a torn-tail cut."""
-    block = memoryview(aligned_buffer(BLOCK))
+    Segments are independent, so ``threads`` of them are walked at once: each walk is a chain
+    of dependent 4 KiB reads (a header gives the next record's offset), which alone would keep
+    the device at queue depth 1. Writes only to persist a torn-tail cut."""
     result = Scan(segments=[None] * store.count)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvpool-ssd-scan") as pool:
+        walks = list(pool.map(lambda seg_no: _walk(store, seg_no), range(store.count)))
     found: list[FoundRecord] = []
     newest = -1
-    for seg_no in range(store.count):
-        try:
-            _read(store, seg_no, 0, block)
-        except OSError:
+    for seg_no, walk in enumerate(walks):
+        if walk is None:
             continue
-        sh = unpack_segment_header(block)
-        if sh is None or sh.segment_size != store.segment_size or sh.number != seg_no:
-            continue
-        end = _scan_segment(store, seg_no, sh.start_seq, block, found)
-        result.segments[seg_no] = ScannedSegment(sh.start_seq, end)
+        scanned, records = walk
+        result.segments[seg_no] = scanned
+        found += records
         newest_seg = result.segments[newest] if newest >= 0 else None
-        if newest_seg is None or sh.start_seq > newest_seg.start_seq:
+        if newest_seg is None or scanned.start_seq > newest_seg.start_seq:
             newest = seg_no
     if newest >= 0:
         result.torn_discarded = _discard_torn_tail(store, newest, result, found)
     result.records = sorted(found, key=lambda r: r.seq)
     return result
+
+
+def _walk(store: SegmentStore, seg_no: int) -> tuple[ScannedSegment, list[FoundRecord]] | None:
+    """One segment's header and records; None for a free (or unreadable, or foreign) one."""
+    block = memoryview(aligned_buffer(BLOCK))
+    try:
+        _read(store, seg_no, 0, block)
+    except OSError:
+        return None
+    sh = unpack_segment_header(block)
+    if sh is None or sh.segment_size != store.segment_size or sh.number != seg_no:
+        return None
+    records: list[FoundRecord] = []
+    end = _scan_segment(store, seg_no, sh.start_seq, block, records)
+    return ScannedSegment(sh.start_seq, end), records
 
 
 def _scan_segment(store: SegmentStore, seg_no: int, start_seq: int, block: memoryview,
