@@ -221,3 +221,27 @@ def test_window_narrower_than_the_prompt_is_not_saved(tmp_path: Path) -> None:
         assert pc.saved_chunks == 0 and pc.dropped_saves == 2 * 6
         assert pool.lookup(pc.ns, pc.ns.chunk_keys(ids)) == 0
         pc.close()
+
+
+class FailingPuts:
+    """A store whose puts raise: saving must not reach the caller."""
+
+    def __init__(self, inner: KVPool) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
+        raise OSError(28, "No space left on device")
+
+
+def test_failing_saves_are_dropped_and_counted(model: Any, tmp_path: Path) -> None:
+    ids = prompt(200)
+    expected = generate_all(model, None, [ids])[0]
+    with pool_at(tmp_path) as pool:
+        pc = PrefixCache(model, FailingPuts(pool), CHUNK_TOKENS)
+        assert pc.generate(ids, 6).tokens == expected
+        pc.flush()
+        assert pc.saved_chunks == 0 and pc.dropped_saves == 6
+        pc.close()

@@ -13,6 +13,7 @@ generated tokens are the model's own either way.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -27,6 +28,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvpool.keys import KVLayout, Namespace
+
+log = logging.getLogger("kvpool.integrations.hf")
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -209,10 +212,14 @@ class PrefixCache:
         # [L, 2, H, T_new, D] in one copy; each chunk is then one contiguous slice-copy
         kv = torch.stack([torch.stack([k[0, :, span], v[0, :, span]]) for k, v in cache_layers])
         stored = 0
-        for j, key in enumerate(keys[first:]):
-            chunk = kv[:, :, :, j * c:(j + 1) * c]
-            if self.store is not None and self.store.put(self.ns, key, payload_to_numpy(chunk)):
-                stored += 1
+        try:
+            for j, key in enumerate(keys[first:]):
+                chunk = kv[:, :, :, j * c:(j + 1) * c]
+                if self.store is not None and self.store.put(self.ns, key,
+                                                             payload_to_numpy(chunk)):
+                    stored += 1
+        except Exception as exc:  # a save never fails inference: the rest is dropped, counted
+            log.warning("kvpool: saving chunks failed after %d: %s", stored, exc)
         with self._lock:
             self.saved_chunks += stored
             self.dropped_saves += (len(keys) - first) - stored
@@ -233,6 +240,7 @@ class PrefixCache:
             return
         # cache tensors are replaced, never written in place, as generation goes on, so the
         # saver may read these references while the model keeps decoding
+        self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._saver.submit(self._save, layers, list(keys), first))
 
     def flush(self) -> None:
