@@ -147,14 +147,18 @@ def test_corrupt_chunk_on_ssd_is_a_miss_and_output_is_unchanged(model: Any,
         pc.close()
 
 
-class WrongKV:
-    """A store that hands back every chunk with its bytes perturbed: the negative control."""
+class StoreWrapper:
+    """Delegates every store call to a real pool; subclasses override the ones they break."""
 
     def __init__(self, inner: KVPool) -> None:
         self.inner = inner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class WrongKV(StoreWrapper):
+    """A store that hands back every chunk with its bytes perturbed: the negative control."""
 
     def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[None]:
         return [None] * len(keys)  # no zero-copy views: every chunk goes through the perturbing get
@@ -223,14 +227,8 @@ def test_window_narrower_than_the_prompt_is_not_saved(tmp_path: Path) -> None:
         pc.close()
 
 
-class FailingPuts:
+class FailingPuts(StoreWrapper):
     """A store whose puts raise: saving must not reach the caller."""
-
-    def __init__(self, inner: KVPool) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
         raise OSError(28, "No space left on device")

@@ -11,6 +11,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,16 @@ PER_SEG = 15
 SEGS = CAP // SEG
 assert (SEG - 4096) // (4096 + CHUNK) == PER_SEG
 
+
+
+def run_threads(target: Callable[[int], None], n: int, errors: list[BaseException]) -> None:
+    """Run ``target(0..n-1)`` on n threads to the end; fail on the first error they caught."""
+    threads = [threading.Thread(target=target, args=(t,)) for t in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
 
 def key(i: int, salt: bytes = b"capacity") -> bytes:
     return i.to_bytes(8, "little") + salt
@@ -216,13 +227,8 @@ def test_concurrent_put_get_on_a_tiny_ssd(tmp_path: Path) -> None:
             counts["puts"] += puts
             counts["gets"] += gets
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[0]
+        run_threads(worker, 4, errors)
         st = e.stats()
         assert counts["hits"] > 0 and st["segments_evicted"] > 0
         assert st["puts"] == counts["puts"] and st["gets"] == counts["gets"]
@@ -275,13 +281,8 @@ def test_concurrent_writers_leave_no_phantom_index_entries(tmp_path: Path) -> No
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(8)]
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert not errors, errors[0]
+            run_threads(writer, 8, errors)
             phantoms = []
             for t, keys in enumerate(written):
                 for k in keys:

@@ -260,15 +260,20 @@ def _tear(seg: Path, off: int, how: str) -> None:
         raise AssertionError(how)
 
 
+def _reopen_with_torn_last_record(path: Path, how: str) -> SsdEngine:
+    """Six records, the last one torn on disk as ``how`` says, then a fresh open."""
+    e = engine_at(path)
+    fill(e, range(6))
+    e.close()
+    seg, off, _ = locate(path, key(5))
+    _tear(seg, off, how)
+    return engine_at(path)
+
+
 @pytest.mark.parametrize("how", ["payload_zeroed", "last_block_zeroed", "stale_payload",
                                  "header_zeroed"])
 def test_torn_tail_is_discarded_on_reopen(tmp_path: Path, how: str) -> None:
-    e = engine_at(tmp_path)
-    fill(e, range(6))
-    e.close()
-    seg, off, _ = locate(tmp_path, key(5))
-    _tear(seg, off, how)
-    e = engine_at(tmp_path)
+    e = _reopen_with_torn_last_record(tmp_path, how)
     try:
         st = e.stats()
         assert st["torn_discarded"] == (0 if how == "header_zeroed" else 1)
@@ -296,12 +301,7 @@ def test_torn_tail_stays_discarded_after_a_later_restart(tmp_path: Path, how: st
     was made in memory only, so once a later open had started a new segment the torn record's
     segment was no longer the newest, was not re-verified, and the record was indexed again:
     present to contains/len/lookup, yet every read failed its checksum."""
-    e = engine_at(tmp_path)
-    fill(e, range(6))
-    e.close()
-    seg, off, _ = locate(tmp_path, key(5))
-    _tear(seg, off, how)
-    e = engine_at(tmp_path)
+    e = _reopen_with_torn_last_record(tmp_path, how)
     try:
         assert e.stats()["torn_discarded"] == 1
         assert not e.contains(key(5))
