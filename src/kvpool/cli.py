@@ -1,4 +1,4 @@
-"""``kvpool`` command line: ``kvpool --version``, ``kvpool bench storage``."""
+"""``kvpool`` command line: demo, serve, admin, bench, config."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.demo import cli as demo_cli
     demo_cli.add_arguments(demo)
     demo.set_defaults(func=demo_cli.run_from_args)
+    from kvpool.server import cli as server_cli
+    serve = sub.add_parser("serve", help="run a storage node (DRAM + SSD over the network)")
+    server_cli.add_serve_arguments(serve)
+    serve.set_defaults(func=server_cli.serve_from_args)
+    admin = sub.add_parser("admin", help="cluster administration")
+    server_cli.add_admin_arguments(admin)
     bench = sub.add_parser("bench", help="benchmarks beside their references")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
     storage = bench_sub.add_parser("storage", help="DRAM arena and SSD engine vs memcpy, "

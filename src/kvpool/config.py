@@ -90,6 +90,52 @@ class PoolConfig(_Section):
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")
 
 
+class TenantToken(_Section):
+    """One access token and the tenants it may act for."""
+
+    token: str = Field(min_length=8, description="Secret the client sends in AUTH (at least 8 characters).")
+    tenants: list[str] = Field(min_length=1, description="Tenants this token may use. A namespace belongs to the tenant named before the first ':' of its tenant_salt.")
+
+
+class ServerConfig(_Section):
+    """A storage node (`kvpool serve`): DRAM + SSD behind the binary protocol."""
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(7450, ge=0, le=65535, description="TCP port (0 = any free port, printed at start).")
+    node_id: str | None = Field(None, description="Name registered in etcd; default host:port.")
+    advertise_host: str | None = Field(None, description="Host clients should dial (default: host).")
+    auth: list[TenantToken] = Field(default_factory=list, description="Per-tenant tokens. Empty: no auth (trusted networks only); otherwise every connection must AUTH first.")
+    max_frame_bytes: Size = Field(256 << 20, description="Largest request (metadata + payload); a larger one closes the connection.")
+    max_item_bytes: Size = Field(64 << 20, description="Largest chunk a namespace may declare.")
+    max_keys: int = Field(65536, ge=1, description="Most keys in one request.")
+    max_inflight_bytes: Size = Field(512 << 20, description="Per connection: payload bytes a GET may answer with at once; larger batches are refused (TOO_LARGE).")
+    max_connections: int = Field(1024, ge=1, description="Connections served at once; more are accepted and closed.")
+    idle_timeout_s: float = Field(300.0, gt=0, description="A connection silent this long (or stalled mid-frame) is closed.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time allowed for in-flight requests and the write-behind queue.")
+
+
+class ClusterConfig(_Section):
+    """How clients (and nodes, for registration) find the storage nodes."""
+
+    name: str = Field("default", description="Cluster name: nodes register under /kvpool/<name>/nodes/.")
+    nodes: list[str] = Field(default_factory=list, description="Static node list (host:port); used when etcd is empty. Both empty: embedded only.")
+    etcd: list[str] = Field(default_factory=list, description="etcd endpoints (http://host:port) for membership.")
+    lease_ttl_s: float = Field(10.0, ge=1, description="Node registration lease: a dead node leaves placement within this time.")
+    token: str | None = Field(None, description="Client token sent in AUTH when nodes require it.")
+    replicas: int = Field(1, ge=1, le=8, description="Default replication factor (copies written per chunk).")
+    namespace_replicas: dict[str, int] = Field(default_factory=dict, description="Replication per model name, overriding replicas.")
+    connections_per_node: int = Field(4, ge=1, le=64, description="Pooled connections the client keeps per node.")
+    connect_timeout_s: float = Field(0.5, gt=0, description="TCP connect timeout; a node that does not answer is marked down.")
+    request_timeout_s: float = Field(5.0, gt=0, description="Per-request socket timeout; on expiry the node is marked down and the request becomes a miss.")
+    retry_down_s: float = Field(2.0, gt=0, description="A node marked down is tried again after this long.")
+    write_behind_bytes: Size = Field(256 << 20, description="Staging memory for saves on their way to the nodes; full = dropped (counted).")
+    fanout_threads: int = Field(8, ge=1, le=128, description="Threads the client uses to talk to nodes in parallel.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.nodes or self.etcd)
+
+
 class Config(_Section):
     """Top-level kvpool settings."""
 
@@ -97,6 +143,8 @@ class Config(_Section):
     dram: DramConfig = Field(default_factory=lambda: DramConfig())
     ssd: SsdConfig = Field(default_factory=lambda: SsdConfig())
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig())
+    cluster: ClusterConfig = Field(default_factory=lambda: ClusterConfig())
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig())
 
     def ssd_path(self) -> Path:
         return Path(self.ssd.path).expanduser() if self.ssd.path else Path(self.cache_dir).expanduser() / "ssd"

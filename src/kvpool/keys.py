@@ -104,6 +104,33 @@ class Namespace:
             "tenant_salt": self.tenant_salt,
         }
 
+    @classmethod
+    def from_canonical(cls, data: Any) -> Namespace:
+        """Rebuild a namespace from ``canonical()`` output (as sent over the wire).
+
+        Raises ValueError for anything that is not exactly that shape or has bad values."""
+        if not isinstance(data, dict) or set(data) != {"model", "revision", "layout",
+                                                       "tenant_salt"}:
+            raise ValueError("namespace must be an object with model, revision, layout, "
+                             "tenant_salt")
+        layout = data["layout"]
+        fields = set(KVLayout.__dataclass_fields__)
+        if not isinstance(layout, dict) or set(layout) != fields:
+            raise ValueError(f"namespace layout must have exactly the fields {sorted(fields)}")
+        for name in ("model", "revision", "tenant_salt"):
+            if not isinstance(data[name], str):
+                raise ValueError(f"namespace {name} must be a string")
+        for name, value in layout.items():
+            want = str if name in ("dtype", "engine_layout") else int
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ValueError(f"namespace layout.{name} must be {want.__name__}")
+        return cls(data["model"], KVLayout(**layout), data["revision"], data["tenant_salt"])
+
+    @property
+    def tenant(self) -> str:
+        """The tenant a namespace belongs to: its tenant_salt up to the first ':'."""
+        return self.tenant_salt.split(":", 1)[0]
+
     @cached_property
     def id(self) -> bytes:
         """16-byte namespace id: xxh3-128 of the canonical JSON of all fields."""

@@ -13,7 +13,7 @@ PoolClosedError (after close), ValueError (malformed key or buffer).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.buffers import byte_view
@@ -23,26 +23,52 @@ from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy
 from kvpool.ssd.engine import SsdEngine
 from kvpool.tiers.dram import DramTier, PinnedView
+from kvpool.tiers.remote import RemoteTier
 from kvpool.writebehind import WriteBehind
+
+
+class ChunkReservation:
+    """Room for one chunk being filled in place; see ``KVPool.reserve``. ``commit`` publishes
+    it (True if stored), ``abort`` gives the room back; the first of them wins."""
+
+    __slots__ = ("_abort", "_commit", "_done", "view")
+
+    def __init__(self, view: memoryview, commit: Callable[[], bool],
+                 abort: Callable[[], None]) -> None:
+        self.view, self._commit, self._abort = view, commit, abort
+        self._done = False
+
+    def commit(self) -> bool:
+        if self._done:
+            return True
+        self._done = True
+        return self._commit()
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort()
 
 
 class KVPool:
     """Embedded (in-process) pool. ``KVPool()`` uses the YAML config named by $KVPOOL_CONFIG
     (or the defaults) with ``KVPOOL_*`` overrides; pass a Config to be explicit."""
 
-    def __init__(self, config: Config | None = None) -> None:
+    def __init__(self, config: Config | None = None, remote: bool = True) -> None:
         self.config = config if config is not None else load_config()
         cfg = self.config
         self._namespaces: dict[bytes, Namespace] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._counters = dict.fromkeys(("lookups", "lookup_hit_chunks", "dram_hits",
-                                        "staged_hits", "ssd_hits", "misses", "promotions"), 0)
+                                        "staged_hits", "ssd_hits", "remote_hits",
+                                        "misses", "promotions"), 0)
         self._admission: AdmissionPolicy = make_admission_policy(cfg.ssd.admission,
                                                                  cfg.ssd.second_use_window)
         self._ssd: SsdEngine | None = None
         self._wb: WriteBehind | None = None
         self._dram: DramTier | None = None
+        self._remote: RemoteTier | None = None
         if cfg.ssd.enabled:
             s = cfg.ssd
             self._ssd = SsdEngine(cfg.ssd_path(), s.capacity, s.segment_size, s.durability,
@@ -50,6 +76,12 @@ class KVPool:
                                   s.copy_forward_fraction)
             self._wb = WriteBehind(self._ssd, cfg.pool.write_behind_bytes,
                                    cfg.pool.write_behind_batch)
+        if remote and cfg.cluster.enabled:
+            try:
+                self._remote = RemoteTier(cfg.cluster, cfg.pool.write_behind_batch)
+            except BaseException:
+                self._close_lower()
+                raise
         if cfg.dram.capacity > 0:
             d = cfg.dram
             try:
@@ -62,13 +94,16 @@ class KVPool:
     # ------------------------------------------------------------------ namespaces
     def register_namespace(self, ns: Namespace) -> Namespace:
         """Make a namespace usable. Idempotent. Raises ValueError if its chunk cannot fit a
-        DRAM slab or an SSD segment."""
+        DRAM slab or an SSD segment, AuthError if storage nodes refuse this client's token
+        for its tenant."""
         self._check_open()
         if self._dram is not None:
             self._dram.check_chunk_size(ns.chunk_bytes)
         if self._ssd is not None and ns.chunk_bytes > self._ssd.max_payload:
             raise ValueError(f"chunk of {ns.chunk_bytes} bytes does not fit ssd.segment_size="
                              f"{self._ssd.segment_size}")
+        if self._remote is not None and ns.id not in self._namespaces:
+            self._remote.register_namespace(ns)
         with self._lock:
             self._namespaces[ns.id] = ns
         return ns
@@ -110,9 +145,35 @@ class KVPool:
         self._check_size(ns, view, "data")
         through = self.config.pool.ssd_write == "through" or self._dram is None
         staged = self._wb.offer(key, ns, view) if through and self._wb is not None else False
+        if self._remote is not None:
+            staged |= self._remote.offer(key, ns, view)
         if self._dram is not None:
-            return self._dram.put(key, ns, view, on_lower=staged)
+            return self._dram.put(key, ns, view, on_lower=staged) or staged
         return staged
+
+    def reserve(self, ns: Namespace, key: bytes) -> ChunkReservation | bool:
+        """Room for one chunk that the caller fills in place through ``.view`` (a storage
+        node receives a PUT payload straight into a DRAM slot), then ``commit()`` or
+        ``abort()``. Returns True instead when the chunk is already stored, False when it
+        was dropped for lack of room (counted). Same checks as ``put``."""
+        self._registered(ns)
+        self._check_key(key)
+        if self._dram is None:
+            scratch = memoryview(bytearray(ns.chunk_bytes))
+            return ChunkReservation(scratch, lambda: self.put(ns, key, scratch), lambda: None)
+        slot = self._dram.reserve(key, ns, ns.chunk_bytes)
+        if isinstance(slot, bool):
+            return slot
+        through = self.config.pool.ssd_write == "through" and self._wb is not None
+
+        def commit() -> bool:
+            staged = through and self._wb is not None and self._wb.offer(key, ns, slot.view)
+            stored = slot.commit()
+            if staged and self._dram is not None:
+                self._dram.mark_on_lower(key)
+            return stored
+
+        return ChunkReservation(slot.view, commit, slot.abort)
 
     def put_many(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
         """Store several chunks; returns how many were stored."""
@@ -143,23 +204,40 @@ class KVPool:
             if self._dram is not None and self._dram.get_into(key, view):
                 found[i] = True
                 self._counters["dram_hits"] += 1
-            elif self._wb is not None and self._wb.get_into(key, view):
+            elif (self._wb is not None and self._wb.get_into(key, view)) or (
+                    self._remote is not None and self._remote.staged_get_into(key, view)):
                 found[i] = True
                 self._counters["staged_hits"] += 1
             else:
                 pending.append(i)
         if pending and self._ssd is not None:
-            got = self._ssd.get_many_into([keys[i] for i in pending], [views[i] for i in pending])
-            for i, hit in zip(pending, got, strict=True):
-                if not hit:
-                    continue
-                found[i] = True
-                self._counters["ssd_hits"] += 1
-                if self._dram is not None and self.config.pool.promote_on_hit:
-                    self._dram.put(keys[i], ns, views[i], on_lower=True)
-                    self._counters["promotions"] += 1
-        self._counters["misses"] += found.count(False)
+            pending = self._fetch(ns, keys, views, found, pending, self._ssd.get_many_into,
+                                  "ssd_hits")
+        if pending and self._remote is not None:
+            remote = self._remote
+            pending = self._fetch(ns, keys, views, found, pending,
+                                  lambda k, v: remote.get_many_into(ns, k, v), "remote_hits")
+        self._counters["misses"] += len(pending)
         return found
+
+    def _fetch(self, ns: Namespace, keys: Sequence[bytes], views: list[memoryview],
+               found: list[bool], pending: list[int],
+               read: Callable[[list[bytes], list[memoryview]], list[bool]],
+               counter: str) -> list[int]:
+        """Read ``pending`` from a slower tier into their views; hits are promoted to DRAM.
+        Returns the indices still missing."""
+        got = read([keys[i] for i in pending], [views[i] for i in pending])
+        still = []
+        for i, hit in zip(pending, got, strict=True):
+            if not hit:
+                still.append(i)
+                continue
+            found[i] = True
+            self._counters[counter] += 1
+            if self._dram is not None and self.config.pool.promote_on_hit:
+                self._dram.put(keys[i], ns, views[i], on_lower=True)
+                self._counters["promotions"] += 1
+        return still
 
     def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
         """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,
@@ -177,10 +255,12 @@ class KVPool:
     def _present(self, key: bytes) -> bool:
         return ((self._dram is not None and self._dram.contains(key))
                 or (self._wb is not None and self._wb.contains(key))
-                or (self._ssd is not None and self._ssd.contains(key)))
+                or (self._ssd is not None and self._ssd.contains(key))
+                or (self._remote is not None and self._remote.staged(key)))
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Length of the longest leading run of ``keys`` present in any tier."""
+        """Length of the longest leading run of ``keys`` present in any tier: the local
+        tiers first, then (for the rest) one batched EXISTS_PREFIX per storage node."""
         self._registered(ns)
         self._counters["lookups"] += 1
         n = 0
@@ -188,6 +268,8 @@ class KVPool:
             if not self._present(key):
                 break
             n += 1
+        if n < len(keys) and self._remote is not None:
+            n += self._remote.lookup(ns, keys[n:])
         self._counters["lookup_hit_chunks"] += n
         return n
 
@@ -208,6 +290,8 @@ class KVPool:
             self._wb.flush()  # a chunk already being written must land before its tombstone
         if self._ssd is not None:
             removed |= self._ssd.delete(key)
+        if self._remote is not None:
+            removed |= self._remote.delete(ns, key)
         return removed
 
     def invalidate(self, ns: Namespace | bytes) -> int:
@@ -223,13 +307,18 @@ class KVPool:
             self._wb.flush()
         if self._ssd is not None:
             dropped += self._ssd.invalidate(ns_id)
+        if self._remote is not None:
+            known = ns if isinstance(ns, Namespace) else self._namespaces.get(ns_id)
+            if known is not None:  # nodes need the namespace itself (its tenant is checked)
+                dropped += self._remote.invalidate(known)
         return dropped
 
     # ------------------------------------------------------------------ admin
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the write-behind queue to drain; False on timeout."""
+        """Wait for the write-behind queues (SSD, cluster) to drain; False on timeout."""
         self._check_open()
-        return self._wb.flush(timeout) if self._wb is not None else True
+        ok = self._wb.flush(timeout) if self._wb is not None else True
+        return (self._remote.flush(timeout) if self._remote is not None else True) and ok
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier: hits, misses, evictions, checksum failures, dropped saves..."""
@@ -241,9 +330,13 @@ class KVPool:
             out["write_behind"] = self._wb.stats()
         if self._ssd is not None:
             out["ssd"] = self._ssd.stats()
+        if self._remote is not None:
+            out["remote"] = self._remote.stats()
         return out
 
     def _close_lower(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
         if self._wb is not None:
             self._wb.close()
         if self._ssd is not None:

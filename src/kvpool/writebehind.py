@@ -1,4 +1,4 @@
-"""Bounded write-behind to the SSD tier.
+"""Bounded write-behind to a slower tier (the SSD engine, or the storage-node cluster).
 
 ``offer`` copies a chunk into a staging buffer and returns at once; a worker thread writes
 staged chunks to SSD in batches. When the staged bytes would exceed the budget the offer is
@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.buffers import byte_view
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.ssd.directio import aligned_buffer
-from kvpool.ssd.engine import SsdEngine
 
 log = logging.getLogger("kvpool.writebehind")
 
@@ -30,9 +30,17 @@ class _Staged:
     nbytes: int
 
 
+class BatchSink(Protocol):
+    """Where staged chunks go: ``put_many`` returns how many it stored and may raise."""
+
+    def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]]) -> int: ...
+
+
 class WriteBehind:
-    def __init__(self, ssd: SsdEngine, max_bytes: int, batch: int = 16) -> None:
-        self._ssd = ssd
+    def __init__(self, sink: BatchSink, max_bytes: int, batch: int = 16,
+                 name: str = "ssd") -> None:
+        self._sink = sink
+        self._name = name
         self._max_bytes = max_bytes
         self._batch = batch
         self._lock = threading.Lock()
@@ -43,7 +51,7 @@ class WriteBehind:
         self._allocated = 0
         self._closed = False
         self._counters = dict.fromkeys(("offered", "written", "dropped", "write_errors"), 0)
-        self._worker = threading.Thread(target=self._run, name="kvpool-write-behind",
+        self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{name}",
                                         daemon=True)
         self._worker.start()
 
@@ -64,7 +72,7 @@ class WriteBehind:
         return memoryview(aligned_buffer(size))
 
     def offer(self, key: bytes, ns: Namespace, data: Any) -> bool:
-        """Stage a copy of ``data`` for the SSD. False (counted as dropped) if the staging
+        """Stage a copy of ``data`` for the sink. False (counted as dropped) if the staging
         budget is full; True if staged or already staged. Raises PoolClosedError after close."""
         view = byte_view(data)
         with self._lock:
@@ -121,10 +129,12 @@ class WriteBehind:
                     self._writing[key] = staged
                     batch.append((key, staged))
             try:
-                self._ssd.put_many([(k, s.ns, s.buffer[:s.nbytes]) for k, s in batch])
-                written, failed = len(batch), 0
+                written = self._sink.put_many([(k, s.ns, s.buffer[:s.nbytes])
+                                               for k, s in batch])
+                failed = len(batch) - written
             except Exception as exc:  # a full or failing disk must not kill the worker
-                log.warning("write-behind: SSD write of %d chunks failed: %s", len(batch), exc)
+                log.warning("write-behind (%s): write of %d chunks failed: %s", self._name,
+                            len(batch), exc)
                 written, failed = 0, len(batch)
             with self._lock:
                 for key, staged in batch:

@@ -61,6 +61,37 @@ class PinnedView:
         self.release()
 
 
+class SlotReservation:
+    """A DRAM slot taken by ``DramTier.reserve`` and being filled in place through ``view``.
+    Exactly one of ``commit()`` (publish the chunk) or ``abort()`` (free the slot) must follow;
+    both are idempotent, and a reservation dropped without either frees its slot when
+    collected."""
+
+    __slots__ = ("_done", "_entry", "_key", "_tier", "view")
+
+    def __init__(self, tier: DramTier, key: bytes, entry: _Entry, view: memoryview) -> None:
+        self._tier, self._key, self._entry, self.view = tier, key, entry, view
+        self._done = False
+
+    def commit(self) -> bool:
+        """Publish the chunk (True). Its bytes must be complete: readers see them at once."""
+        if self._done:
+            return True
+        self._done = True
+        self.view.release()
+        return self._tier._commit(self._key, self._entry)
+
+    def abort(self) -> None:
+        """Give the slot back without publishing anything."""
+        if not self._done:
+            self._done = True
+            self.view.release()
+            self._tier._abort(self._entry)
+
+    def __del__(self) -> None:
+        self.abort()
+
+
 class DramTier:
     """Thread-safe. Raises ValueError for a bad geometry (see SlotArena)."""
 
@@ -107,7 +138,19 @@ class DramTier:
         ``put_wait_s`` (counted). ``on_lower`` marks a chunk a lower tier already holds, so
         its eviction needs no demotion."""
         view = byte_view(data)
-        slot_size = self._arena.slot_size_for(view.nbytes)
+        reservation = self.reserve(key, ns, view.nbytes, on_lower)
+        if isinstance(reservation, bool):
+            return reservation
+        reservation.view[:] = view
+        return reservation.commit()
+
+    def reserve(self, key: bytes, ns: Namespace, nbytes: int,
+                on_lower: bool = False) -> SlotReservation | bool:
+        """Take a slot for a chunk that the caller fills in place (a network receive lands
+        straight in DRAM), then ``commit()`` or ``abort()``. Returns True instead if the chunk
+        is already stored (nothing to write), False if dropped for lack of a slot (counted).
+        Until committed the chunk is invisible to readers."""
+        slot_size = self._arena.slot_size_for(nbytes)
         evicted: list[tuple[bytes, _Entry]] = []
         with self._lock:
             self._check_open()
@@ -121,17 +164,24 @@ class DramTier:
         if offset is None:
             self._counters["dropped_puts"] += 1
             return False
-        entry = _Entry(offset, slot_size, view.nbytes, ns, on_lower=on_lower)
-        self._arena.view(offset, view.nbytes)[:] = view
+        entry = _Entry(offset, slot_size, nbytes, ns, on_lower=on_lower)
+        return SlotReservation(self, key, entry, self._arena.view(offset, nbytes))
+
+    def _commit(self, key: bytes, entry: _Entry) -> bool:
         with self._lock:
             if key in self._entries or self._closed:  # a concurrent put of the same chunk won
                 self._release_slot(entry)
                 return True
             self._entries[key] = entry
-            self._policy(slot_size).insert(key)
+            self._policy(entry.slot_size).insert(key)
             self._counters["puts"] += 1
-            self._counters["put_bytes"] += view.nbytes
+            self._counters["put_bytes"] += entry.nbytes
         return True
+
+    def _abort(self, entry: _Entry) -> None:
+        with self._lock:
+            if not self._closed:
+                self._release_slot(entry)
 
     def _alloc_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]]) -> int | None:
         deadline: float | None = None

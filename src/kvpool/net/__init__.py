@@ -1,0 +1,1 @@
+"""The storage-node wire protocol and its blocking client (DESIGN.md section 6)."""

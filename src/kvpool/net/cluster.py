@@ -1,0 +1,287 @@
+"""ClusterClient: the shared pool of storage nodes as one batched, replicated store.
+
+Placement is rendezvous hashing over the live nodes (membership from etcd or a static list,
+minus nodes this client has marked down). Every batched call becomes at most one request per
+node, sent in parallel. Writes go to all R replicas; reads go to the first replica and, for
+what it lacks or when it fails, to the next.
+
+Failure contract (DESIGN.md section 9): a dead, slow or misbehaving node never raises to the
+caller. Its requests become misses (or are served by a replica), the node is marked down at
+once and tried again after ``cluster.retry_down_s``. Only misconfiguration raises: a token the
+nodes refuse (AuthError from ``register_namespace``), malformed keys or buffers (ValueError).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from kvpool.buffers import byte_view
+from kvpool.cluster.membership import EtcdMembership, Membership, StaticMembership
+from kvpool.config import ClusterConfig
+from kvpool.errors import ChunkSizeError
+from kvpool.keys import KEY_BYTES, Namespace
+from kvpool.net.connection import NodeConnection, NodePool
+from kvpool.net.placement import replicas
+from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
+
+log = logging.getLogger("kvpool.cluster")
+T = TypeVar("T")
+
+
+def membership_for(cfg: ClusterConfig) -> Membership:
+    """etcd membership when endpoints are configured, else the static list. Raises EtcdError
+    if etcd cannot be reached at start (an operator error, reported at once), ValueError for
+    a malformed static address."""
+    if cfg.etcd:
+        return EtcdMembership(cfg.etcd, cfg.name)
+    return StaticMembership(cfg.nodes)
+
+
+class ClusterClient:
+    """Thread-safe blocking client of a storage-node cluster."""
+
+    def __init__(self, cfg: ClusterConfig, membership: Membership | None = None) -> None:
+        self.cfg = cfg
+        self.membership = membership if membership is not None else membership_for(cfg)
+        self._pools: dict[str, NodePool] = {}
+        self._down_until: dict[str, float] = {}
+        self._replicas: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
+        self._counters: defaultdict[str, int] = defaultdict(int)
+
+    # ------------------------------------------------------------------ nodes
+    def live_nodes(self) -> list[str]:
+        """Node ids in placement now: live in membership and not marked down (a node whose
+        retry time has come is live again; its next request is the probe)."""
+        now = time.monotonic()
+        out = []
+        for node in self.membership.live_nodes():
+            with self._lock:
+                if node.node_id not in self._pools:
+                    c = self.cfg
+                    self._pools[node.node_id] = NodePool(node.address(), c.token,
+                                                         c.connections_per_node,
+                                                         c.connect_timeout_s,
+                                                         c.request_timeout_s)
+                if self._down_until.get(node.node_id, 0.0) <= now:
+                    out.append(node.node_id)
+        return out
+
+    def _mark_down(self, node_id: str, why: BaseException) -> None:
+        with self._lock:
+            already = self._down_until.get(node_id, 0.0) > time.monotonic()
+            self._down_until[node_id] = time.monotonic() + self.cfg.retry_down_s
+            pool = self._pools.get(node_id)
+        self._counters["node_failures"] += 1
+        if not already:
+            log.warning("node %s marked down for %.1fs: %s", node_id, self.cfg.retry_down_s,
+                        why)
+        if pool is not None:
+            pool.close()
+
+    def _on_node(self, node_id: str, fn: Callable[[NodeConnection], T]) -> T | None:
+        """Run ``fn`` on a pooled connection; None if the node failed (it is marked down)."""
+        with self._lock:
+            pool = self._pools.get(node_id)
+        if pool is None:
+            return None
+        try:
+            with pool.connection() as conn:
+                result = fn(conn)
+        except AuthError:
+            raise
+        except RemoteError as exc:
+            self._counters["remote_errors"] += 1
+            log.warning("node %s refused a request: %s", node_id, exc)
+            return None
+        except (OSError, ProtocolError) as exc:  # timeouts and refused connects are OSErrors
+            self._mark_down(node_id, exc)
+            return None
+        with self._lock:
+            self._down_until.pop(node_id, None)
+        return result
+
+    def _safe(self, node_id: str, fn: Callable[[NodeConnection], T]) -> T | None:
+        try:
+            return self._on_node(node_id, fn)
+        except AuthError as exc:  # refused mid-run (token rotated): a miss, loudly logged
+            self._counters["auth_errors"] += 1
+            log.error("node %s refused this client: %s", node_id, exc)
+            return None
+
+    def _fan_out(self, jobs: dict[str, Callable[[NodeConnection], T]]) -> dict[str, T | None]:
+        if len(jobs) == 1:
+            (node_id, fn), = jobs.items()
+            return {node_id: self._safe(node_id, fn)}
+        futures = {n: self._fanout.submit(self._safe, n, fn) for n, fn in jobs.items()}
+        return {n: f.result() for n, f in futures.items()}
+
+    # ------------------------------------------------------------------ namespaces
+    def register_namespace(self, ns: Namespace, replicas: int | None = None) -> None:
+        """Set the namespace's replication factor and check this client may use it on the
+        live nodes. Raises AuthError if a node refuses the token or the tenant; nodes that
+        are down are skipped (checked on first use)."""
+        r = replicas or self.cfg.namespace_replicas.get(ns.model, self.cfg.replicas)
+        self._replicas[ns.id] = r
+        for node_id in self.live_nodes():
+            self._on_node(node_id, lambda c: c.declare(ns))
+
+    def _placement(self, ns: Namespace, keys: Sequence[bytes]) -> list[list[str]]:
+        for key in keys:
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                raise ValueError(f"chunk key must be {KEY_BYTES} bytes")
+        return replicas(self.live_nodes(), keys, self._replicas.get(ns.id, self.cfg.replicas))
+
+    # ------------------------------------------------------------------ reads
+    def exists_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` that some live replica holds: one batched
+        EXISTS_PREFIX per node, in parallel. A failed node counts as not holding its keys."""
+        if not keys:
+            return 0
+        placement = self._placement(ns, keys)
+        per_node: defaultdict[str, list[int]] = defaultdict(list)
+        for i, nodes in enumerate(placement):
+            for node_id in nodes:
+                per_node[node_id].append(i)
+        jobs = {n: _exists_job(ns, [keys[i] for i in idx]) for n, idx in per_node.items()}
+        counts = self._fan_out(jobs)
+        present = [False] * len(keys)
+        for node_id, idx in per_node.items():
+            for i in idx[:counts[node_id] or 0]:
+                present[i] = True
+        n = 0
+        while n < len(keys) and present[n]:
+            n += 1
+        self._counters["exists_calls"] += 1
+        return n
+
+    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                      outs: Sequence[Any]) -> list[bool]:
+        """Fetch chunks into ``outs`` (each exactly ns.chunk_bytes). False = miss (absent on
+        every live replica, or every replica failed); the buffer's contents are then
+        unspecified. Raises ChunkSizeError for a wrong-sized buffer."""
+        views = [byte_view(o, writable=True) for o in outs]
+        for view in views:
+            if view.nbytes != ns.chunk_bytes:
+                raise ChunkSizeError(f"output buffer has {view.nbytes} bytes; namespace chunks "
+                                     f"have {ns.chunk_bytes}")
+        placement = self._placement(ns, keys)
+        found = [False] * len(keys)
+        for rank in range(max((len(p) for p in placement), default=0)):
+            per_node: defaultdict[str, list[int]] = defaultdict(list)
+            for i, nodes in enumerate(placement):
+                if not found[i] and rank < len(nodes):
+                    per_node[nodes[rank]].append(i)
+            if not per_node:
+                break
+            jobs = {n: _get_job(ns, [keys[i] for i in idx], [views[i] for i in idx])
+                    for n, idx in per_node.items()}
+            for node_id, got in self._fan_out(jobs).items():
+                if got is None:
+                    continue
+                for i, hit in zip(per_node[node_id], got, strict=True):
+                    found[i] = hit
+        hits = sum(found)
+        self._counters["get_hits"] += hits
+        self._counters["get_misses"] += len(keys) - hits
+        return found
+
+    # ------------------------------------------------------------------ writes
+    def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]]) -> int:
+        """Write chunks to every live replica, one PUT per node and namespace, in parallel.
+        Returns how many chunks at least one replica stored (the write-behind sink API)."""
+        by_ns: dict[bytes, tuple[Namespace, list[bytes], list[Any]]] = {}
+        for key, ns, data in items:
+            entry = by_ns.setdefault(ns.id, (ns, [], []))
+            entry[1].append(key)
+            entry[2].append(data)
+        stored = 0
+        for ns, keys, datas in by_ns.values():
+            placement = self._placement(ns, keys)
+            per_node: defaultdict[str, list[int]] = defaultdict(list)
+            for i, nodes in enumerate(placement):
+                for node_id in nodes:
+                    per_node[node_id].append(i)
+            jobs = {n: _put_job(ns, [keys[i] for i in idx], [datas[i] for i in idx])
+                    for n, idx in per_node.items()}
+            ok = [False] * len(keys)
+            for node_id, count in self._fan_out(jobs).items():
+                if count is not None:
+                    for i in per_node[node_id]:
+                        ok[i] = True
+            stored += sum(ok)
+        self._counters["put_chunks"] += stored
+        return stored
+
+    def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Delete from every live node (replicas may have moved); returns chunks removed."""
+        results = self._fan_out({n: _delete_job(ns, list(keys)) for n in self.live_nodes()})
+        return sum(r or 0 for r in results.values())
+
+    def invalidate(self, ns: Namespace) -> int:
+        results = self._fan_out({n: _invalidate_job(ns) for n in self.live_nodes()})
+        return sum(r or 0 for r in results.values())
+
+    # ------------------------------------------------------------------ admin
+    def node_stats(self) -> dict[str, dict[str, Any] | None]:
+        """STATS of every live node (None where a node failed)."""
+        return self._fan_out({n: _stats_job for n in self.live_nodes()})
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            down = sorted(n for n, t in self._down_until.items() if t > time.monotonic())
+        out: dict[str, Any] = dict(self._counters)
+        out.update(live_nodes=self.live_nodes(), down_nodes=down)
+        return out
+
+    def close(self) -> None:
+        self._fanout.shutdown(wait=True)
+        with self._lock:
+            pools = list(self._pools.values())
+        for pool in pools:
+            pool.close()
+        self.membership.close()
+
+
+# Jobs are built by functions so each closure captures its own batch.
+def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:
+    return lambda c: c.exists_prefix(ns, keys)
+
+
+#: Largest payload one GET or PUT carries; bigger batches are split (nodes refuse answers
+#: over server.max_inflight_bytes, 512 MiB by default).
+BATCH_BYTES = 64 << 20
+
+
+def _batches(ns: Namespace, n: int) -> list[slice]:
+    step = max(1, BATCH_BYTES // max(1, ns.chunk_bytes))
+    return [slice(i, i + step) for i in range(0, n, step)]
+
+
+def _get_job(ns: Namespace, keys: list[bytes],
+             views: list[memoryview]) -> Callable[[NodeConnection], list[bool]]:
+    return lambda c: [hit for b in _batches(ns, len(keys))
+                      for hit in c.get_into(ns, keys[b], views[b])]
+
+
+def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any]) -> Callable[[NodeConnection], int]:
+    return lambda c: sum(c.put(ns, keys[b], datas[b]) for b in _batches(ns, len(keys)))
+
+
+def _delete_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:
+    return lambda c: c.delete(ns, keys)
+
+
+def _invalidate_job(ns: Namespace) -> Callable[[NodeConnection], int]:
+    return lambda c: c.invalidate(ns)
+
+
+def _stats_job(c: NodeConnection) -> dict[str, Any]:
+    return c.stats()

@@ -1,0 +1,208 @@
+"""A blocking connection to one storage node, and a small pool of them per node.
+
+GET answers are received with ``recv_into`` straight into the caller's buffers; PUT payloads
+are sent from the caller's buffers with scatter-gather ``sendmsg``: no staging copies.
+
+Failure contract: socket errors, timeouts and bytes that are not a valid answer raise
+(OSError / TimeoutError / ProtocolError) and leave the connection unusable — the pool closes
+it. An error answer from the node raises RemoteError (AuthError for auth and tenant refusals);
+the connection stays usable unless the node closes it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from kvpool.buffers import byte_view
+from kvpool.keys import Namespace, canonical_json
+from kvpool.net.protocol import (
+    HEADER_BYTES,
+    RESPONSE_BIT,
+    Header,
+    Op,
+    ProtocolError,
+    Status,
+    error_for,
+    pack_keys,
+    unpack_header,
+)
+
+IOV_MAX = 512
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port). Raises ValueError for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not a node address (host:port): {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class NodeConnection:
+    """One TCP connection. Not thread-safe: use one per thread (NodePool does)."""
+
+    def __init__(self, address: str, token: str | None = None, connect_timeout: float = 0.5,
+                 request_timeout: float = 5.0) -> None:
+        self.address = address
+        self.sock = socket.create_connection(parse_address(address), timeout=connect_timeout)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.settimeout(request_timeout)
+            self._req_id = 0
+            self._header = memoryview(bytearray(HEADER_BYTES))
+            self.declared: set[bytes] = set()
+            self.hello: dict[str, Any] = {}
+            if token is not None:
+                self.hello = json.loads(self.call(Op.AUTH, meta=token.encode())[1])
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # ------------------------------------------------------------------ framing
+    def _send(self, buffers: list[memoryview]) -> None:
+        bufs = [b for b in buffers if b.nbytes]
+        while bufs:
+            sent = self.sock.sendmsg(bufs[:IOV_MAX])
+            while bufs and sent >= bufs[0].nbytes:
+                sent -= bufs[0].nbytes
+                bufs.pop(0)
+            if bufs and sent:
+                bufs[0] = bufs[0][sent:]
+
+    def _recv_exact(self, view: memoryview) -> None:
+        got = 0
+        while got < view.nbytes:
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError(f"node {self.address} closed the connection")
+            got += n
+
+    def _request(self, op: Op, count: int, meta: bytes,
+                 payload: Sequence[memoryview] = ()) -> int:
+        self._req_id += 1
+        nbytes = sum(p.nbytes for p in payload)
+        head = Header(op, self._req_id, count, len(meta), nbytes).pack()
+        self._send([memoryview(head + meta), *payload])
+        return self._req_id
+
+    def _answer(self, op: Op, req_id: int) -> tuple[Header, bytes]:
+        self._recv_exact(self._header)
+        head = unpack_header(self._header)
+        if head.op != op | RESPONSE_BIT or head.req_id != req_id:
+            raise ProtocolError(f"node {self.address} answered op {head.op} id {head.req_id} "
+                                f"to op {int(op)} id {req_id}")
+        meta = bytearray(head.meta_len)
+        self._recv_exact(memoryview(meta))
+        if head.status != Status.OK:
+            if head.payload_len:
+                raise ProtocolError("error answer with a payload")
+            raise error_for(head.status, meta.decode(errors="replace"))
+        return head, bytes(meta)
+
+    def call(self, op: Op, count: int = 0, meta: bytes = b"",
+             payload: Sequence[memoryview] = ()) -> tuple[Header, bytes]:
+        """One request without a payload in the answer."""
+        head, answer = self._answer(op, self._request(op, count, meta, payload))
+        if head.payload_len:
+            raise ProtocolError(f"unexpected payload in the answer to {op.name}")
+        return head, answer
+
+    # ------------------------------------------------------------------ operations
+    def declare(self, ns: Namespace) -> None:
+        """Tell the node about a namespace once per connection. Raises AuthError if the
+        token may not use its tenant."""
+        if ns.id in self.declared:
+            return
+        _, answer = self.call(Op.NAMESPACE, meta=canonical_json(ns.canonical()))
+        if answer != ns.id:
+            raise ProtocolError(f"node {self.address} computed namespace id {answer.hex()}, "
+                                f"expected {ns.id.hex()}")
+        self.declared.add(ns.id)
+
+    def ping(self) -> None:
+        self.call(Op.PING)
+
+    def exists_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        self.declare(ns)
+        head, _ = self.call(Op.EXISTS_PREFIX, len(keys), pack_keys(ns.id, list(keys)))
+        if head.count > len(keys):
+            raise ProtocolError("EXISTS_PREFIX answered more keys than asked")
+        return head.count
+
+    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """Fetch chunks into ``outs`` (each exactly ns.chunk_bytes). On a miss the buffer is
+        untouched."""
+        views = [byte_view(o, writable=True) for o in outs]
+        self.declare(ns)
+        req = self._request(Op.GET, len(keys), pack_keys(ns.id, list(keys)))
+        head, flags = self._answer(Op.GET, req)
+        found = [f == 1 for f in flags]
+        if len(flags) != len(keys) or any(f > 1 for f in flags) or \
+                head.payload_len != sum(found) * ns.chunk_bytes:
+            raise ProtocolError(f"malformed GET answer from {self.address}")
+        for view, hit in zip(views, found, strict=True):
+            if hit:
+                self._recv_exact(view)
+        return found
+
+    def put(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
+        views = [byte_view(d) for d in datas]
+        self.declare(ns)
+        head, _ = self.call(Op.PUT, len(keys), pack_keys(ns.id, list(keys)), views)
+        return head.count
+
+    def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        self.declare(ns)
+        return self.call(Op.DELETE, len(keys), pack_keys(ns.id, list(keys)))[0].count
+
+    def invalidate(self, ns: Namespace) -> int:
+        self.declare(ns)
+        return self.call(Op.INVALIDATE, meta=ns.id)[0].count
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads(self.call(Op.STATS)[1])
+        return result
+
+
+class NodePool:
+    """Up to ``size`` idle connections to one node, shared by threads."""
+
+    def __init__(self, address: str, token: str | None, size: int, connect_timeout: float,
+                 request_timeout: float) -> None:
+        self.address = address
+        self._args = (token, connect_timeout, request_timeout)
+        self._size = size
+        self._idle: list[NodeConnection] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def connection(self) -> Iterator[NodeConnection]:
+        """A connection for one exchange. On any exception it is closed, not reused."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = NodeConnection(self.address, *self._args)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            if len(self._idle) < self._size:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()

@@ -1,0 +1,152 @@
+"""kvpool's binary frame format, shared by ``kvpool serve`` and the client.
+
+Every frame is a fixed 32-byte header, then ``meta_len`` bytes of metadata, then
+``payload_len`` bytes of payload::
+
+    magic   4s  b"KVPN"
+    version u8  PROTOCOL_VERSION
+    status  u8  0 in requests; a Status in responses
+    opcode  u16 an Op; responses set RESPONSE_BIT
+    req_id  u64 echoed in the response
+    count   u32 items in the request (keys); a result count in responses
+    meta    u32 metadata length
+    payload u64 payload length
+
+Metadata by opcode (``ns`` = 16-byte namespace id, ``keys`` = count x 16 bytes):
+
+=============  =========================  ==========================================
+op             request                    OK response
+=============  =========================  ==========================================
+AUTH           token (UTF-8)              JSON {"node_id", "tenants"}
+PING           -                          -
+NAMESPACE      canonical namespace JSON   ns (the id the node computed)
+EXISTS_PREFIX  ns + keys                  count = leading keys present
+GET            ns + keys                  count flag bytes (1 = found); payload = the
+                                          found chunks in key order, chunk_bytes each
+PUT            ns + keys; payload =       count = chunks stored
+               count x chunk_bytes
+DELETE         ns + keys                  count = chunks removed
+INVALIDATE     ns                         count = chunks dropped
+STATS          -                          JSON of the node's counters
+=============  =========================  ==========================================
+
+An error response has a non-zero status and a UTF-8 message as metadata. Bytes that do not
+parse as a frame raise ProtocolError; the node then closes that one connection.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from kvpool.errors import KVPoolError
+from kvpool.keys import KEY_BYTES
+
+MAGIC = b"KVPN"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sBBHQIIQ")
+HEADER_BYTES = HEADER.size
+RESPONSE_BIT = 0x8000
+NS_BYTES = KEY_BYTES
+
+
+class Op(enum.IntEnum):
+    AUTH = 1
+    PING = 2
+    NAMESPACE = 3
+    EXISTS_PREFIX = 4
+    GET = 5
+    PUT = 6
+    DELETE = 7
+    INVALIDATE = 8
+    STATS = 9
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_REQUEST = 1
+    AUTH_REQUIRED = 2
+    AUTH_FAILED = 3
+    FORBIDDEN = 4
+    UNKNOWN_NAMESPACE = 5
+    TOO_LARGE = 6
+    BUSY = 7
+    INTERNAL = 8
+
+
+class ProtocolError(KVPoolError):
+    """Bytes on a connection that are not a valid frame; the connection cannot continue."""
+
+
+class RemoteError(KVPoolError):
+    """A node answered a request with an error status (bad request, auth, limits)."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(f"{status.name}: {message}")
+        self.status = status
+        self.message = message
+
+
+class AuthError(RemoteError):
+    """The node refused the token, or the namespace belongs to another tenant."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    op: int
+    req_id: int
+    count: int
+    meta_len: int
+    payload_len: int
+    status: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, self.status, self.op, self.req_id,
+                           self.count, self.meta_len, self.payload_len)
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.op & RESPONSE_BIT)
+
+    @property
+    def base_op(self) -> int:
+        return self.op & ~RESPONSE_BIT
+
+
+def unpack_header(raw: bytes | bytearray | memoryview) -> Header:
+    """Parse 32 header bytes. Raises ProtocolError on a bad magic or version."""
+    magic, version, status, op, req_id, count, meta_len, payload_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} "
+                            f"(this side speaks {PROTOCOL_VERSION})")
+    return Header(op, req_id, count, meta_len, payload_len, status)
+
+
+def pack_keys(ns_id: bytes, keys: list[bytes] | tuple[bytes, ...]) -> bytes:
+    """Metadata of a keyed request: namespace id followed by the keys."""
+    return ns_id + b"".join(keys)
+
+
+def split_keys(meta: bytes | memoryview, count: int) -> tuple[bytes, list[bytes]]:
+    """Inverse of pack_keys. Raises ProtocolError if the length does not match ``count``."""
+    if len(meta) != NS_BYTES + count * KEY_BYTES:
+        raise ProtocolError(f"metadata of {len(meta)} bytes does not hold a namespace id and "
+                            f"{count} keys")
+    raw = bytes(meta)
+    return raw[:NS_BYTES], [raw[o:o + KEY_BYTES]
+                            for o in range(NS_BYTES, len(raw), KEY_BYTES)]
+
+
+def error_for(status: int, message: str) -> RemoteError:
+    """The exception a client raises for an error response."""
+    try:
+        st = Status(status)
+    except ValueError:
+        st = Status.INTERNAL
+        message = f"unknown status {status}: {message}"
+    if st in (Status.AUTH_FAILED, Status.AUTH_REQUIRED, Status.FORBIDDEN):
+        return AuthError(st, message)
+    return RemoteError(st, message)
