@@ -3,9 +3,9 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import CHUNK, byte_namespace, payload_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvtest import CHUNK, byte_namespace, payload_for
 
 from kvpool.errors import ChunkSizeError, PoolClosedError
 from kvpool.keys import Namespace

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers")
 
-from conftest import small_config  # noqa: E402
+from kvtest import small_config  # noqa: E402
 
 from kvpool import KVPool  # noqa: E402
 from kvpool.integrations.hf import PrefixCache, namespace_for  # noqa: E402

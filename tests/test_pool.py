@@ -2,7 +2,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CHUNK, byte_namespace, payload_for, small_config
+from kvtest import CHUNK, byte_namespace, payload_for, small_config
 
 from kvpool import KVPool
 from kvpool.errors import ChunkSizeError, PoolClosedError, UnknownNamespaceError

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CHUNK, byte_namespace, payload_for
+from kvtest import CHUNK, byte_namespace, payload_for
 
 from kvpool.errors import ChunkSizeError, PoolClosedError
 from kvpool.ssd import directio

@@ -1,0 +1,42 @@
+"""Shared test helpers: small namespaces and configs that keep every test on tmp_path.
+
+Imported as ``from kvtest import ...`` (several test folders have their own conftest.py, so
+``conftest`` is not a usable module name)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool.config import Config, config_from_dict
+from kvpool.keys import KVLayout, Namespace
+
+CHUNK = 64 * 1024
+
+
+def byte_namespace(chunk_bytes: int = CHUNK, model: str = "test-model",
+                   salt: str = "") -> Namespace:
+    """A namespace whose chunks are ``chunk_bytes`` opaque bytes."""
+    return Namespace(model, KVLayout("uint8", 1, 1, chunk_bytes, 1, kv_factor=1),
+                     tenant_salt=salt)
+
+
+def payload_for(key: bytes, nbytes: int = CHUNK) -> np.ndarray:
+    """Deterministic bytes derived from the key, so any reader can check what it got."""
+    seed = int.from_bytes(key[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def small_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    data: dict[str, Any] = {
+        "cache_dir": str(tmp_path / "cache"),
+        "dram": {"capacity": "1MiB", "slab_size": "256KiB"},
+        "ssd": {"capacity": "4MiB", "segment_size": "1MiB"},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return config_from_dict(data)
+
+

@@ -1,0 +1,31 @@
+"""Fixtures: real ``kvpool serve`` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from node_process import NodeProcess
+
+TOKENS = [{"token": "token-acme-123", "tenants": ["acme"]},
+          {"token": "token-beta-456", "tenants": ["beta"]},
+          {"token": "token-both-789", "tenants": ["acme", "beta"]}]
+
+
+@pytest.fixture(scope="module")
+def auth_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node requiring tokens (see TOKENS), shared by a module's tests."""
+    node = NodeProcess(tmp_path_factory.mktemp("node"), server={"auth": TOKENS})
+    node.start()
+    yield node
+    node.stop()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[NodeProcess]:
+    """A node of the test's own (no auth), which it may kill and restart."""
+    proc = NodeProcess(tmp_path / "node")
+    proc.start()
+    yield proc
+    proc.stop()
