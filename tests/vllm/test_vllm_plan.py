@@ -1,0 +1,97 @@
+"""Scheduler-side planning, lookups and settings of the vLLM connector, without vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.errors import ConfigError
+from kvpool.integrations.vllm.lookup import LookupClient, LookupServer
+from kvpool.integrations.vllm.plan import RequestPlan
+from kvpool.integrations.vllm.settings import parse_settings
+
+
+def plan(prompt_len: int = 1000, chunk: int = 256, block: int = 128) -> RequestPlan:
+    keys = [(bytes([c]) * 16,) for c in range(prompt_len // chunk)]
+    return RequestPlan("r", keys, prompt_len, chunk, block)
+
+
+TABLE = list(range(100, 120))  # block i of the request lives in engine block 100 + i
+
+
+def blocks(transfer: object) -> list[tuple[int, ...]]:
+    return [c.block_ids for c in transfer.chunks]  # type: ignore[attr-defined]
+
+
+def test_chunked_prefill_stores_each_chunk_once_in_the_step_that_completes_it() -> None:
+    p = plan()
+    load, store = p.step(0, 300, TABLE)  # tokens 0..299: chunk 0 complete
+    assert load is None and blocks(store) == [(100, 101)]
+    load, store = p.step(300, 300, TABLE)  # ..599: chunk 1 complete
+    assert blocks(store) == [(102, 103)]
+    load, store = p.step(600, 400, TABLE)  # ..999: chunk 2 complete, tail 768..999 is not
+    assert blocks(store) == [(104, 105)]
+    assert p.step(1000, 1, TABLE) == (None, None)  # decode never stores
+
+
+def test_load_skips_blocks_vllm_already_has_and_marks_chunks_stored() -> None:
+    p = plan()
+    p.pending_load_tokens = 768 - 128  # vLLM's prefix cache had block 0; pool has 3 chunks
+    load, store = p.step(768, 232, TABLE)
+    assert blocks(load) == [(-1, 101), (102, 103), (104, 105)]
+    assert store is None  # the 3 full chunks are in the pool already
+    assert p.pending_load_tokens == 0
+
+
+def test_preempted_request_reloads_into_its_new_blocks() -> None:
+    p = plan()
+    p.pending_load_tokens = 512
+    p.step(512, 100, TABLE)
+    new_table = list(range(200, 220))  # preempted: blocks freed, resumed with new ones
+    p.pending_load_tokens = 512
+    load, _ = p.step(512, 488, new_table)
+    assert blocks(load) == [(200, 201), (202, 203)]
+
+
+def test_failed_load_makes_the_recomputed_chunks_stored_again() -> None:
+    p = plan()
+    p.pending_load_tokens = 768
+    p.step(768, 232, TABLE)
+    assert not p.load_failed({999})
+    assert p.load_failed({103})  # chunk 1 failed
+    _, store = p.step(256, 744, TABLE)  # vLLM recomputes from chunk 1
+    assert blocks(store) == [(102, 103), (104, 105)]
+
+
+def test_lookup_over_the_socket_and_a_dead_worker_is_a_miss() -> None:
+    present = {b"a" * 16, b"b" * 16}
+    server = LookupServer(lambda keys: next(
+        (i for i, k in enumerate(keys) if k not in present), len(keys)))
+    # A client in another process would use the socket; force it by hiding the local server.
+    from kvpool.integrations.vllm import lookup as mod
+    mod._LOCAL.pop(server.address)
+    client = LookupClient(server.address, timeout_s=2.0)
+    assert client.lookup([b"a" * 16, b"b" * 16, b"c" * 16]) == 2
+    assert client.lookup([b"c" * 16, b"a" * 16]) == 0
+    server.close()
+    client.close()
+    assert client.lookup([b"a" * 16]) == 0  # gone: a miss, not an exception
+    assert LookupClient("kvpool-vllm-nobody", 0.5).lookup([b"a" * 16]) == 0
+
+
+def test_settings_validate_chunk_size_and_keys() -> None:
+    s = parse_settings({"chunk_tokens": 256, "config": {"dram": {"capacity": "1MiB"}}}, 128)
+    assert s.blocks_per_chunk == 2
+    assert s.pool_config().dram.capacity == 1 << 20
+    assert parse_settings(None, 16).chunk_tokens == 16
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        parse_settings({"chunk_tokens": 200}, 128)
+    with pytest.raises(ConfigError, match="unknown"):
+        parse_settings({"chunk_size": 256}, 128)
+    with pytest.raises(ConfigError, match=r"dram\.capacity"):
+        parse_settings({"config": {"dram": {"capacity": "lots"}}}, 128)
+
+
+def test_tensor_parallel_ranks_get_their_own_ssd_dirs(tmp_path: object) -> None:
+    s = parse_settings({"config": {"cache_dir": str(tmp_path)}}, 16)
+    paths = {s.pool_config(r, 2).ssd_path() for r in range(2)}
+    assert len(paths) == 2
