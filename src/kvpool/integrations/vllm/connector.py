@@ -88,7 +88,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
             self._worker = WorkerSide(
                 self._settings, _identity(vllm_config, self._settings.model_id),
-                get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+                get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                num_blocks=getattr(kv_cache_config, "num_blocks", None))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -44,13 +44,29 @@ def layer_index(name: str) -> int:
     return int(found[0])
 
 
+def block_first(kv: torch.Tensor, num_blocks: int | None) -> tuple[torch.Tensor, int]:
+    """A view of one layer's KV cache with the block index first, and the dim it was in.
+
+    CPU backends register ``[num_blocks, ...]``; FlashAttention-style backends register
+    ``[2, num_blocks, ...]`` (K and V apart), whose page is then ``kv[:, block]`` - a strided
+    view that index_select/index_copy_ handle without a copy. Raises ValueError for other
+    layouts."""
+    if num_blocks is None or kv.shape[0] == num_blocks:
+        return kv, 0
+    if kv.dim() > 1 and kv.shape[1] == num_blocks:
+        return kv.transpose(0, 1), 1
+    raise ValueError(f"KV cache of shape {tuple(kv.shape)} has no block dimension of size "
+                     f"{num_blocks} first or second; kvpool cannot copy its pages")
+
+
 @dataclass(frozen=True)
 class PageGeometry:
-    """The engine's KV pages as registered: layer order, page shape and dtype."""
+    """The engine's KV pages as registered: layer order, page shape, dtype, block dim."""
 
     layer_names: tuple[str, ...]
     page_shape: tuple[int, ...]
     dtype: torch.dtype
+    block_dim: int = 0
 
     @property
     def page_bytes(self) -> int:
@@ -60,24 +76,29 @@ class PageGeometry:
         return n * self.dtype.itemsize
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> PageGeometry:
-        """Raises ValueError when the layers differ in page shape or dtype, or a tensor is not
-        ``[num_blocks, ...]`` contiguous (layouts kvpool cannot copy page-wise)."""
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor],
+                       num_blocks: int | None = None
+                       ) -> tuple[PageGeometry, dict[str, torch.Tensor]]:
+        """Geometry plus block-first views by layer name. Raises ValueError when the layers
+        differ in page shape or dtype or have no block dimension (see :func:`block_first`)."""
         if not kv_caches:
             raise ValueError("no KV caches registered")
         names = tuple(sorted(kv_caches, key=layer_index))
-        first = kv_caches[names[0]]
+        views: dict[str, torch.Tensor] = {}
+        dims = set()
         for name in names:
-            t = kv_caches[name]
-            if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+            views[name], dim = block_first(kv_caches[name], num_blocks)
+            dims.add(dim)
+        first = views[names[0]]
+        for name in names:
+            t = views[name]
+            if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or len(dims) > 1:
                 raise ValueError(f"KV cache {name} has shape {tuple(t.shape)} {t.dtype}, unlike "
                                  f"{names[0]} {tuple(first.shape)} {first.dtype}")
-            if not t[0].is_contiguous():
-                raise ValueError(f"KV cache {name}: a block is not contiguous; kvpool copies "
-                                 "whole pages")
         if first.dtype not in _TORCH_DTYPES:
             raise ValueError(f"unsupported KV dtype {first.dtype}")
-        return cls(names, tuple(int(d) for d in first.shape[1:]), first.dtype)
+        geom = cls(names, tuple(int(d) for d in first.shape[1:]), first.dtype, dims.pop())
+        return geom, views
 
 
 @dataclass(frozen=True)
@@ -104,7 +125,7 @@ def make_namespace(ident: EngineIdentity, geom: PageGeometry, chunk_tokens: int,
         head_dim=ident.head_size, chunk_tokens=chunk_tokens, kv_factor=2, tp_rank=tp_rank,
         tp_size=tp_size,
         engine_layout=(f"vllm-{ident.vllm_version}:{ident.backend}:block{ident.block_size}:"
-                       f"page{list(geom.page_shape)}:layer-major-pages"))
+                       f"page{list(geom.page_shape)}:blockdim{geom.block_dim}:layer-major-pages"))
     expected = layout.layer_bytes // (chunk_tokens // ident.block_size)
     if expected != geom.page_bytes:
         raise ValueError(f"a KV page has {geom.page_bytes} bytes, expected {expected} for "

@@ -78,6 +78,8 @@ class _Marker:
 
 
 class _PendingSave:
+    """One chunk being gathered: ``pages`` holds its engine block ids."""
+
     __slots__ = ("buf", "key", "layers", "pages", "req_id")
 
     def __init__(self, req_id: str, key: bytes, pages: torch.Tensor, buf: np.ndarray) -> None:
@@ -87,8 +89,10 @@ class _PendingSave:
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, ident: EngineIdentity, tp_rank: int,
-                 tp_size: int, save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES) -> None:
+                 tp_size: int, num_blocks: int | None = None,
+                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES) -> None:
         self.settings = settings
+        self.num_blocks = num_blocks
         self.ident = ident
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pool = KVPool(settings.pool_config(tp_rank, tp_size))
@@ -122,11 +126,11 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> Namespace:
         """Learn the engine's KV tensors, register this rank's namespace, start the lookup
         server. Raises ValueError for KV layouts kvpool cannot copy page-wise."""
-        geom = PageGeometry.from_kv_caches(kv_caches)
+        geom, views = PageGeometry.from_kv_caches(kv_caches, self.num_blocks)
         ns = make_namespace(self.ident, geom, self.settings.chunk_tokens, self.tp_rank,
                             self.tp_size, self.settings.tenant_salt)
         self.pool.register_namespace(ns)
-        self._kv = dict(kv_caches)
+        self._kv = views
         self._geom, self.ns = geom, ns
         self._layer_pos = {name: i for i, name in enumerate(geom.layer_names)}
         self._bufs = _Buffers(ns.chunk_bytes)
@@ -192,7 +196,10 @@ class WorkerSide:
             for pos, name in enumerate(self._geom.layer_names):
                 kv = self._kv[name]
                 for pages, src_idx, dst_idx in good:
-                    kv.index_copy_(0, dst_idx, pages[pos].index_select(0, src_idx))
+                    src = pages[pos].index_select(0, src_idx)
+                    if kv.device != src.device:  # accelerator: one host-to-device copy
+                        src, dst_idx = src.to(kv.device), dst_idx.to(kv.device)
+                    kv.index_copy_(0, dst_idx, src)
                 events[pos].set()
             self.stats.add(loaded_tokens=loaded_tokens, loaded_chunks=len(good),
                            load_failed_chunks=bad_chunks, load_failed_blocks=bad_blocks)
@@ -237,11 +244,14 @@ class WorkerSide:
             return
         if pos == 0:
             self._begin_saves(stores)
+        kv = self._kv[layer_name]  # block-first view of ``kv_layer`` (same memory)
         for p in self._pending:
             if p.layers == pos:
-                ids = p.pages  # block ids tensor; the layer's pages go to slice ``pos``
-                dst = self._pages(p.buf)[pos]
-                torch.index_select(kv_layer, 0, ids, out=dst)
+                dst = self._pages(p.buf)[pos]  # this layer's slice of the chunk payload
+                if kv.device == dst.device:
+                    torch.index_select(kv, 0, p.pages, out=dst)
+                else:  # accelerator: gather on the device, then one device-to-host copy
+                    dst.copy_(kv.index_select(0, p.pages.to(kv.device)))
                 p.layers += 1
 
     def _begin_saves(self, stores: Sequence[ReqTransfer]) -> None:
