@@ -34,6 +34,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import storage as storage_bench
     storage_bench.add_arguments(storage)
     storage.set_defaults(func=storage_bench.run_from_args)
+    remote = bench_sub.add_parser("remote", help="one storage node on loopback vs a raw "
+                                  "socket and Redis")
+    from kvpool.bench import remote as remote_bench
+    remote_bench.add_arguments(remote)
+    remote.set_defaults(func=remote_bench.run_from_args)
     return parser
 
 

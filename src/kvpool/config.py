@@ -61,6 +61,7 @@ class DramConfig(_Section):
     slab_size: Size = Field(64 << 20, description="Unit the arena hands to a size class; must be >= the largest chunk.")
     eviction: Literal["lru", "s3fifo"] = Field("s3fifo", description="Eviction policy of each size class.")
     shm_path: str | None = Field(None, description="Back the arena by this /dev/shm file (shared with local engine processes) instead of anonymous memory.")
+    prefault: bool = Field(False, description="Touch every page of the arena at start: RSS is taken at once, and no put pays a page fault (recommended for storage nodes).")
     put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot when every resident chunk is pinned by a zero-copy view, before the put is dropped (counted).")
 
 

@@ -86,7 +86,8 @@ class KVPool:
             d = cfg.dram
             try:
                 self._dram = DramTier(d.capacity, d.slab_size, d.eviction, d.shm_path,
-                                      on_evict=self._demote, put_wait_s=d.put_wait_s)
+                                      on_evict=self._demote, put_wait_s=d.put_wait_s,
+                                      prefault=d.prefault)
             except BaseException:
                 self._close_lower()
                 raise
@@ -151,18 +152,20 @@ class KVPool:
             return self._dram.put(key, ns, view, on_lower=staged) or staged
         return staged
 
-    def reserve(self, ns: Namespace, key: bytes) -> ChunkReservation | bool:
+    def reserve(self, ns: Namespace, key: bytes,
+                wait: bool = True) -> ChunkReservation | bool | None:
         """Room for one chunk that the caller fills in place through ``.view`` (a storage
         node receives a PUT payload straight into a DRAM slot), then ``commit()`` or
         ``abort()``. Returns True instead when the chunk is already stored, False when it
-        was dropped for lack of room (counted). Same checks as ``put``."""
+        was dropped for lack of room (counted). With ``wait=False`` it never blocks and
+        returns None where it would have waited for a pinned slot. Same checks as ``put``."""
         self._registered(ns)
         self._check_key(key)
         if self._dram is None:
             scratch = memoryview(bytearray(ns.chunk_bytes))
             return ChunkReservation(scratch, lambda: self.put(ns, key, scratch), lambda: None)
-        slot = self._dram.reserve(key, ns, ns.chunk_bytes)
-        if isinstance(slot, bool):
+        slot = self._dram.reserve(key, ns, ns.chunk_bytes, wait=wait)
+        if slot is None or isinstance(slot, bool):
             return slot
         through = self.config.pool.ssd_write == "through" and self._wb is not None
 

@@ -107,3 +107,12 @@ def test_placement_edge_cases() -> None:
     assert all(len(p) == 5 for p in replicas(NODES, KEYS[:3], 9))
     with pytest.raises(ValueError):
         replicas(NODES, [b"short"], 1)
+
+
+def test_small_and_large_batches_place_identically() -> None:
+    from kvpool.net import placement
+    keys = [os.urandom(16) for _ in range(200)]
+    big = replicas(NODES, keys, 3)  # numpy path
+    small = [replicas(NODES, [k], 3)[0] for k in keys]  # pure-Python path
+    assert len(NODES) * 200 > placement.SMALL_BATCH >= len(NODES)
+    assert big == small

@@ -47,12 +47,43 @@ def scores(node_ids: Sequence[str], keys: Sequence[bytes]) -> np.ndarray:
         return _mix(k[:, None] ^ seeds[None, :])
 
 
+_MASK = (1 << 64) - 1
+
+
+def _mix_int(x: int) -> int:
+    """_mix on one Python int: the same function, for small batches where numpy's per-call
+    cost dominates."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _score_int(key: bytes, seed: int) -> int:
+    lo, hi = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+    return _mix_int(_mix_int(lo ^ _mix_int(hi)) ^ seed)
+
+
+#: Below this many (key, node) pairs, scores are computed in pure Python.
+SMALL_BATCH = 48
+
+
 def replicas(node_ids: Sequence[str], keys: Sequence[bytes], count: int) -> list[list[str]]:
     """For each key, its ``min(count, len(node_ids))`` nodes, highest score first. Empty
-    lists when there are no nodes."""
+    lists when there are no nodes. Raises ValueError for a key that is not 16 bytes."""
     if not node_ids or not keys:
         return [[] for _ in keys]
-    ids = list(node_ids)
+    ids = sorted(node_ids)
     take = min(count, len(ids))
+    if len(ids) * len(keys) <= SMALL_BATCH:
+        seeds = [node_seed(n) for n in ids]
+        out = []
+        for key in keys:
+            if len(key) != KEY_BYTES:
+                raise ValueError(f"chunk keys must be {KEY_BYTES} bytes")
+            ranked = sorted(range(len(ids)), key=lambda j: _score_int(key, seeds[j]),
+                            reverse=True)
+            out.append([ids[j] for j in ranked[:take]])
+        return out
     order = np.argsort(scores(ids, keys), axis=1, kind="stable")[:, ::-1][:, :take]
     return [[ids[j] for j in row] for row in order.tolist()]

@@ -15,6 +15,7 @@ any unexpected exception close this connection only; the node keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -75,6 +76,8 @@ class Connection:
         self.tenants: frozenset[str] | None = None if node.auth.enabled else frozenset()
         self.namespaces: dict[bytes, Namespace] = {}
         self.peer = _peer_name(sock)
+        self.last_io = self.loop.time()  # the node's sweeper closes idle or stalled peers
+        self.idle_closed = False
 
     # ------------------------------------------------------------------ socket helpers
     async def recv_exact(self, view: memoryview) -> None:
@@ -85,6 +88,7 @@ class Connection:
             if n == 0:
                 raise ConnectionError("peer closed the connection")
             got += n
+            self.last_io = self.loop.time()
 
     async def discard(self, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, _DISCARD)))
@@ -92,6 +96,14 @@ class Connection:
             part = scratch[:min(nbytes, scratch.nbytes)]
             await self.recv_exact(part)
             nbytes -= part.nbytes
+
+    def close_if_idle(self, now: float) -> None:
+        """Called by the node's sweeper: a peer silent (or stalled mid-frame) for longer than
+        server.idle_timeout_s is cut off; its pending receive fails and serve() returns."""
+        if now - self.last_io > self.cfg.idle_timeout_s and not self.idle_closed:
+            self.idle_closed = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
 
     async def send(self, buffers: Sequence[bytes | memoryview]) -> None:
         """Scatter-gather send of every buffer, in order."""
@@ -109,6 +121,7 @@ class Connection:
             if bufs and not sent:
                 # The socket buffer is full: let the loop wait until the first piece is out.
                 await self.loop.sock_sendall(self.sock, bufs.pop(0))
+            self.last_io = self.loop.time()
 
     async def reply(self, req: Header, status: Status = Status.OK, count: int = 0,
                     meta: bytes = b"", payload: Sequence[memoryview] = ()) -> None:
@@ -121,26 +134,21 @@ class Connection:
         header_buf = memoryview(bytearray(HEADER_BYTES))
         try:
             while True:
-                async with asyncio.timeout(self.cfg.idle_timeout_s):
-                    await self.recv_exact(header_buf)
+                await self.recv_exact(header_buf)
                 req = unpack_header(header_buf)
-                async with asyncio.timeout(self.cfg.idle_timeout_s):
-                    self.node.begin_request()
-                    try:
-                        keep = await self.handle(req)
-                    finally:
-                        self.node.end_request()
-                if not keep:
-                    return
-                if self.node.draining:
+                self.node.begin_request()
+                try:
+                    keep = await self.handle(req)
+                finally:
+                    self.node.end_request()
+                if not keep or self.node.draining:
                     return
         except ProtocolError as exc:
             self.node.count("protocol_errors")
             log.info("closing %s: %s", self.peer, exc)
-        except TimeoutError:
-            self.node.count("idle_closed")
         except (ConnectionError, OSError):
-            pass
+            if self.idle_closed:
+                self.node.count("idle_closed")
         except Exception:  # never let one connection take the node down
             self.node.count("internal_errors")
             log.exception("closing %s after an unexpected error", self.peer)
@@ -265,8 +273,17 @@ class Connection:
             raise ProtocolError(f"PUT payload of {req.payload_len} bytes is not {len(keys)} "
                                 f"chunks of {ns.chunk_bytes}")
         scoped = [node_key(ns_id, k) for k in keys]
-        slots: list[ChunkReservation | bool] = await self.loop.run_in_executor(
-            self.executor, lambda: [self.pool.reserve(ns, k) for k in scoped])
+        # Slots are taken on the loop when that cannot block; only a batch that would wait
+        # for pinned slots goes to a worker thread.
+        tried = [self.pool.reserve(ns, k, wait=False) for k in scoped]
+        slots: list[ChunkReservation | bool] = [s for s in tried if s is not None]
+        if len(slots) < len(tried):
+            for slot in slots:
+                if not isinstance(slot, bool):
+                    slot.abort()
+            slots = await self.loop.run_in_executor(
+                self.executor, lambda: [bool(s) if s is None else s
+                                        for s in (self.pool.reserve(ns, k) for k in scoped)])
         stored = 0
         try:
             for i, slot in enumerate(slots):

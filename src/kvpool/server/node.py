@@ -24,6 +24,7 @@ from typing import Any
 
 from kvpool import __version__
 from kvpool.config import Config
+from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.auth import Authenticator
 from kvpool.server.connection import Connection
@@ -40,10 +41,9 @@ class StorageNode:
         self.auth = Authenticator(config.server.auth)
         self.executor = ThreadPoolExecutor(max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
-        self._counters: dict[str, int] = {}
-        self._counter_lock = threading.Lock()
+        self._counters: dict[str, int] = {}  # event-loop thread only (stats() copies)
         self._inflight = 0
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], Connection] = {}
         self.draining = False
         self.started = time.time()
         srv = config.server
@@ -61,8 +61,7 @@ class StorageNode:
 
     # ------------------------------------------------------------------ bookkeeping
     def count(self, name: str, n: int = 1) -> None:
-        with self._counter_lock:
-            self._counters[name] = self._counters.get(name, 0) + n
+        self._counters[name] = self._counters.get(name, 0) + n
 
     def begin_request(self) -> None:
         self._inflight += 1
@@ -71,8 +70,7 @@ class StorageNode:
         self._inflight -= 1
 
     def stats(self) -> dict[str, Any]:
-        with self._counter_lock:
-            server: dict[str, Any] = dict(self._counters)
+        server: dict[str, Any] = dict(self._counters)
         server.update(node_id=self.node_id, version=__version__,
                       connections=len(self._connections), inflight_requests=self._inflight,
                       uptime_s=round(time.time() - self.started, 1))
@@ -88,17 +86,32 @@ class StorageNode:
                 sock.close()
                 continue
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_socket(sock)
             self.count("connections_accepted")
-            task = asyncio.create_task(self._serve_connection(sock))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            conn = Connection(self, sock)
+            task = asyncio.create_task(self._serve_connection(conn))
+            self._connections[task] = conn
+            task.add_done_callback(self._forget)
 
-    async def _serve_connection(self, sock: socket.socket) -> None:
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._connections.pop(task, None)
+
+    async def _serve_connection(self, conn: Connection) -> None:
         try:
-            await Connection(self, sock).serve()
+            await conn.serve()
         finally:
-            sock.close()
+            conn.sock.close()
+
+    async def _sweep_idle(self) -> None:
+        """Once a second (or faster for short timeouts): cut off idle or stalled peers. One
+        timer for the node instead of one per request."""
+        loop = asyncio.get_running_loop()
+        period = min(1.0, self.config.server.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for conn in list(self._connections.values()):
+                conn.close_if_idle(now)
 
     async def serve(self, ready: threading.Event | None = None) -> None:
         """Serve until ``stop()`` (or a signal when run by ``run``)."""
@@ -110,6 +123,7 @@ class StorageNode:
                 loop.add_signal_handler(sig, self._stop.set)
         registration = self._register()
         accept = asyncio.create_task(self._accept_loop())
+        sweeper = asyncio.create_task(self._sweep_idle())
         print(f"kvpool serve: node {self.node_id} listening on {self.host}:{self.port} "
               f"(pid {os.getpid()})", flush=True)
         if ready is not None:
@@ -117,6 +131,7 @@ class StorageNode:
         try:
             await self._stop.wait()
         finally:
+            sweeper.cancel()
             await self._shutdown(accept, registration)
 
     def stop(self) -> None:

@@ -13,6 +13,8 @@ import mmap
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvpool.record import BLOCK, round_up
 
 
@@ -28,7 +30,8 @@ class SlotArena:
     """Raises ValueError if capacity or slab size is not positive and page-aligned, and OSError
     if the backing memory cannot be mapped."""
 
-    def __init__(self, capacity: int, slab_size: int, shm_path: str | None = None) -> None:
+    def __init__(self, capacity: int, slab_size: int, shm_path: str | None = None,
+                 prefault: bool = False) -> None:
         if slab_size <= 0 or slab_size % BLOCK:
             raise ValueError(f"dram.slab_size must be a positive multiple of {BLOCK}")
         slabs = capacity // slab_size
@@ -48,6 +51,10 @@ class SlotArena:
         else:
             self._map = mmap.mmap(-1, self.capacity, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.buffer = memoryview(self._map)
+        if prefault:  # take every page now, so no put pays a page fault and zero-fill
+            pages = np.frombuffer(self._map, dtype=np.uint8)[::mmap.PAGESIZE]
+            pages[:] = 0
+            del pages
         self._free_slabs = list(range(self.capacity - slab_size, -1, -slab_size))
         self.classes: dict[int, SizeClass] = {}
 

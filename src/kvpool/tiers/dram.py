@@ -97,8 +97,8 @@ class DramTier:
 
     def __init__(self, capacity: int, slab_size: int = 64 << 20, eviction: str = "s3fifo",
                  shm_path: str | None = None, on_evict: EvictHook | None = None,
-                 put_wait_s: float = 1.0) -> None:
-        self._arena = SlotArena(capacity, slab_size, shm_path)
+                 put_wait_s: float = 1.0, prefault: bool = False) -> None:
+        self._arena = SlotArena(capacity, slab_size, shm_path, prefault)
         self._eviction = eviction
         make_eviction_policy(eviction)  # validate the name now, not at the first eviction
         self._policies: dict[int, EvictionPolicy] = {}
@@ -139,16 +139,18 @@ class DramTier:
         its eviction needs no demotion."""
         view = byte_view(data)
         reservation = self.reserve(key, ns, view.nbytes, on_lower)
-        if isinstance(reservation, bool):
-            return reservation
+        if reservation is None or isinstance(reservation, bool):
+            return bool(reservation)
         reservation.view[:] = view
         return reservation.commit()
 
-    def reserve(self, key: bytes, ns: Namespace, nbytes: int,
-                on_lower: bool = False) -> SlotReservation | bool:
+    def reserve(self, key: bytes, ns: Namespace, nbytes: int, on_lower: bool = False,
+                wait: bool = True) -> SlotReservation | bool | None:
         """Take a slot for a chunk that the caller fills in place (a network receive lands
         straight in DRAM), then ``commit()`` or ``abort()``. Returns True instead if the chunk
         is already stored (nothing to write), False if dropped for lack of a slot (counted).
+        With ``wait=False`` it never blocks: None means "every slot is pinned right now"
+        (not counted; call again with wait=True from a thread that may block).
         Until committed the chunk is invisible to readers."""
         slot_size = self._arena.slot_size_for(nbytes)
         evicted: list[tuple[bytes, _Entry]] = []
@@ -159,9 +161,11 @@ class DramTier:
                 existing.on_lower |= on_lower
                 self._policy(slot_size).touch(key)
                 return True
-            offset = self._alloc_locked(slot_size, evicted)
+            offset = self._alloc_locked(slot_size, evicted, wait)
         self._hand_over(evicted)
         if offset is None:
+            if not wait:
+                return None
             self._counters["dropped_puts"] += 1
             return False
         entry = _Entry(offset, slot_size, nbytes, ns, on_lower=on_lower)
@@ -183,7 +187,8 @@ class DramTier:
             if not self._closed:
                 self._release_slot(entry)
 
-    def _alloc_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]]) -> int | None:
+    def _alloc_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]],
+                      wait: bool = True) -> int | None:
         deadline: float | None = None
         while True:
             offset = self._arena.alloc(slot_size)
@@ -199,6 +204,8 @@ class DramTier:
                 return int(entry.offset)  # same size class: the victim's slot becomes ours
             if self._steal_slab_locked(slot_size, evicted):
                 continue
+            if not wait:
+                return None
             now = time.monotonic()
             deadline = now + self._put_wait_s if deadline is None else deadline
             if now >= deadline or self._closed:

@@ -1,0 +1,347 @@
+"""``kvpool bench remote``: one storage node on loopback beside a raw socket and Redis.
+
+Three servers run as separate processes on 127.0.0.1: a ``kvpool serve`` node (DRAM only, so
+the figures are the network path), the raw-socket server of ``remote_peers`` (the most Python
+can do over TCP: ``sendall`` / ``recv_into`` of a preallocated buffer, no keys) and
+``redis-server`` (persistence off; redis-py with hiredis). The client side runs in this process
+with 1 and 4 threads (a connection per thread for every system); each op moves one chunk.
+
+* GET: the chunk lands in the caller's buffer (kvpool: ``recv_into`` straight into it; raw:
+  the same; Redis: the returned bytes are copied into it).
+* PUT: from the caller's buffer; every pass writes fresh keys (kvpool's node evicts by policy,
+  Redis is flushed between passes outside the timing).
+* EXISTS_PREFIX of 512 keys (all present) per call, p50 / p99, beside a raw 512-key round trip
+  and Redis ``EXISTS`` of the same 512 keys.
+
+Passes alternate kvpool / raw / Redis so machine noise hits all three; each GET pass checks the
+last chunk every thread read against the bytes written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from rich.console import Console
+
+from kvpool.bench.remote_peers import Process, RawClient, start_raw_server, start_redis
+from kvpool.bench.stats import (
+    BenchFailure,
+    Comparison,
+    Timing,
+    human_bytes,
+    percentile,
+    render_table,
+    run_pass,
+    split,
+)
+from kvpool.bench.storage_common import namespace_for
+from kvpool.buffers import byte_view
+from kvpool.config import ClusterConfig
+from kvpool.keys import Namespace
+from kvpool.net.cluster import ClusterClient
+
+KiB, MiB = 1024, 1 << 20
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    sizes: tuple[int, ...] = (256 * KiB, 2 * MiB, 16 * MiB)
+    threads: tuple[int, ...] = (1, 4)
+    repeats: int = 5
+    pass_bytes: int = 128 * MiB
+    min_chunks: int = 8
+    exists_keys: int = 512
+    exists_calls: int = 400
+    headline_size: int = 2 * MiB
+    quick: bool = False
+
+    @classmethod
+    def quick_plan(cls) -> RemotePlan:
+        return cls(repeats=3, pass_bytes=32 * MiB, exists_calls=150, quick=True)
+
+    def chunks(self, size: int) -> int:
+        return max(self.min_chunks, self.pass_bytes // size)
+
+
+@dataclass
+class _Systems:
+    kv: ClusterClient
+    raw: list[RawClient]
+    redis: Any | None
+
+
+def _start_node(scratch: Path, plan: RemotePlan) -> Process:
+    biggest = max(plan.sizes)
+    slab = max(64 * MiB, biggest)
+    # Every size's GET set stays resident (PUT passes evict within their size class).
+    per_size = max(plan.pass_bytes, plan.min_chunks * biggest) + 2 * slab
+    cfg = {"cache_dir": str(scratch / "node"),
+           "dram": {"capacity": len(plan.sizes) * per_size, "slab_size": slab,
+                    "prefault": True},
+           "ssd": {"enabled": False},
+           "server": {"host": "127.0.0.1", "port": 0}}
+    path = scratch / "node.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return Process([sys.executable, "-m", "kvpool.cli", "serve", "--config", str(path)],
+                   "listening on ")
+
+
+def _verify(what: str, got: np.ndarray, expected: np.ndarray) -> None:
+    if not np.array_equal(got, expected):
+        raise BenchFailure(f"{what}: bytes read back differ from the bytes written")
+
+
+def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparison],
+                log: Callable[[str], None]) -> None:
+    ns = namespace_for(size)
+    sys_.kv.register_namespace(ns)
+    n = plan.chunks(size)
+    distinct = 4
+    rng = np.random.default_rng(size)
+    data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(distinct)]
+    views = [byte_view(d) for d in data]
+    items = list(range(n))
+    get_keys = [os.urandom(16) for _ in items]
+    rkeys = [k.hex().encode() for k in get_keys]
+    assert sys_.kv.put_many([(k, ns, views[i % distinct]) for i, k in enumerate(get_keys)]) == n
+    if sys_.redis is not None:
+        for i, rk in enumerate(rkeys):
+            sys_.redis.set(rk, views[i % distinct])
+    outs = [np.zeros(size, np.uint8) for _ in range(max(plan.threads))]
+    out_views = [byte_view(o, writable=True) for o in outs]
+
+    def kv_get(t: int, i: int) -> bool:
+        return sys_.kv.get_many_into(ns, [get_keys[i]], [out_views[t]])[0]
+
+    def raw_get(t: int, i: int) -> bool:
+        return sys_.raw[t].get_into(i, out_views[t])
+
+    redis: Any = sys_.redis
+
+    def redis_get(t: int, i: int) -> bool:
+        value = redis.get(rkeys[i])
+        if value is None:
+            return False
+        out_views[t][:] = value
+        return True
+
+    for threads in plan.threads:
+        timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
+        ops = {"kvpool": kv_get, "raw": raw_get, "redis": redis_get}
+        for _ in range(plan.repeats):
+            for name, op in ops.items():
+                if name == "redis" and sys_.redis is None:
+                    continue
+                timings[name].add(run_pass(op, items, threads))
+                if name != "raw":
+                    for t, part in enumerate(split(items, threads)):
+                        if part:
+                            _verify(f"{name} get", outs[t], data[part[-1] % distinct])
+        _add_rows(rows, "get", size, threads, timings, log)
+
+    put_pass = [0]
+
+    def fresh(p: int, i: int) -> bytes:
+        return p.to_bytes(4, "little") + i.to_bytes(4, "little") + bytes(8)
+
+    def kv_put(t: int, i: int) -> bool:
+        key = fresh(put_pass[0], i)
+        return sys_.kv.put_many([(key, ns, views[i % distinct])]) == 1
+
+    def raw_put(t: int, i: int) -> bool:
+        return sys_.raw[t].put(n + i, views[i % distinct])
+
+    def redis_put(t: int, i: int) -> bool:
+        return bool(redis.set(b"p" + fresh(put_pass[0], i), views[i % distinct]))
+
+    for threads in plan.threads:
+        timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
+        ops = {"kvpool": kv_put, "raw": raw_put, "redis": redis_put}
+        for _ in range(plan.repeats):
+            put_pass[0] += 1
+            for name, op in ops.items():
+                if name == "redis":
+                    if sys_.redis is None:
+                        continue
+                    sys_.redis.flushall()  # untimed: Redis holds only this pass's chunks
+                timings[name].add(run_pass(op, items, threads))
+        _add_rows(rows, "put", size, threads, timings, log)
+    if sys_.redis is not None:
+        sys_.redis.flushall()
+
+
+def _add_rows(rows: list[Comparison], case: str, size: int, threads: int,
+              timings: dict[str, Timing], log: Callable[[str], None]) -> None:
+    raw = Comparison("remote", case, size, threads, timings["kvpool"], timings["raw"],
+                     "raw socket")
+    rows.append(raw)
+    line = (f"  {case} {human_bytes(size)} {threads}t: kvpool {raw.kvpool.gb_per_s:.2f} GB/s, "
+            f"raw {raw.reference.gb_per_s:.2f} GB/s ({raw.ratio:.2f}x)")
+    if timings["redis"].passes:
+        red = Comparison("remote", case, size, threads, timings["kvpool"], timings["redis"],
+                         "redis")
+        rows.append(red)
+        line += f", redis {red.reference.gb_per_s:.2f} GB/s ({red.ratio:.2f}x)"
+    log(line)
+
+
+def _bench_exists(sys_: _Systems, plan: RemotePlan) -> dict[str, Any]:
+    ns: Namespace = namespace_for(4 * KiB)
+    sys_.kv.register_namespace(ns)
+    keys = [os.urandom(16) for _ in range(plan.exists_keys)]
+    chunk = byte_view(np.zeros(4 * KiB, np.uint8))
+    assert sys_.kv.put_many([(k, ns, chunk) for k in keys]) == len(keys)
+    rkeys = [k.hex().encode() for k in keys]
+    if sys_.redis is not None:
+        sys_.redis.mset({rk: b"x" for rk in rkeys})
+    packed = b"".join(keys)
+    lat: dict[str, list[float]] = {"kvpool": [], "raw": [], "redis": []}
+    for _ in range(plan.exists_calls):
+        t0 = time.perf_counter()
+        if sys_.kv.exists_prefix(ns, keys) != len(keys):
+            raise BenchFailure("EXISTS_PREFIX did not find every stored key")
+        lat["kvpool"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        sys_.raw[0].exists(packed)
+        lat["raw"].append(time.perf_counter() - t0)
+        if sys_.redis is not None:
+            t0 = time.perf_counter()
+            if sys_.redis.exists(*rkeys) != len(keys):
+                raise BenchFailure("redis EXISTS did not find every key")
+            lat["redis"].append(time.perf_counter() - t0)
+    return {name: {"p50_ms": percentile(v, 50) * 1e3, "p99_ms": percentile(v, 99) * 1e3,
+                   "calls": len(v)} for name, v in lat.items() if v}
+
+
+def _ratio(rows: Sequence[Comparison], case: str, size: int, threads: int,
+           ref: str) -> float | None:
+    for r in rows:
+        if (r.case, r.chunk_bytes, r.threads, r.reference_name) == (case, size, threads, ref):
+            return r.ratio
+    return None
+
+
+def run_remote_bench(plan: RemotePlan,
+                     log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Run every case; returns the JSON-ready result. Raises BenchFailure on wrong bytes or a
+    failed operation, RuntimeError if a server cannot start."""
+    started = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="kvpool-bench-remote-"))
+    procs: list[Process] = []
+    systems: _Systems | None = None
+    rows: list[Comparison] = []
+    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        node = _start_node(scratch, plan)
+        procs.append(node)
+        raw = start_raw_server()
+        procs.append(raw)
+        redis_started = start_redis(scratch)
+        redis_client = None
+        if redis_started is None:
+            info["redis"] = "not installed (bash scripts/system-deps.sh; pip install redis hiredis)"
+            log("redis-server or redis-py missing: Redis rows skipped")
+        else:
+            procs.append(redis_started[0])
+            redis_client = redis_started[1]
+            info["redis"] = redis_client.info("server").get("redis_version")
+            import redis
+            info["redis_py"] = redis.__version__
+            info["hiredis"] = bool(getattr(redis.utils, "HIREDIS_AVAILABLE", False))
+        kv = ClusterClient(ClusterConfig(nodes=[f"127.0.0.1:{node.port}"],
+                                         connections_per_node=max(plan.threads),
+                                         request_timeout_s=60))
+        systems = _Systems(kv, [RawClient(raw.port) for _ in range(max(plan.threads))],
+                           redis_client)
+        for size in plan.sizes:
+            log(f"{human_bytes(size)} chunks: {plan.chunks(size)} per pass")
+            _bench_size(systems, plan, size, rows, log)
+        exists = _bench_exists(systems, plan)
+    finally:
+        if systems is not None:
+            systems.kv.close()
+            for client in systems.raw:
+                client.close()
+        for proc in procs:
+            proc.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    h = plan.headline_size
+    ratios: dict[str, float] = {}
+    for op in ("get", "put"):
+        for ref, name in (("raw socket", "raw_socket"), ("redis", "redis")):
+            for threads in plan.threads:
+                value = _ratio(rows, op, h, threads, ref)
+                if value is not None:
+                    suffix = "" if threads == 1 else f"_{threads}t"
+                    ratios[f"remote_{op}_vs_{name}{suffix}"] = value
+    return {
+        "bench": "remote",
+        "quick": plan.quick,
+        "plan": asdict(plan),
+        "ratios": ratios,
+        "ratio_basis": f"kvpool / reference throughput at {human_bytes(h)} chunks, 1 thread "
+                       "(suffix _4t: 4 threads), one chunk per op",
+        "exists_prefix_512_p99_ms": exists["kvpool"]["p99_ms"],
+        "exists_prefix": exists,
+        "cases": [dict(r.to_json(), id=f"{r.case}/{r.chunk_bytes}/{r.threads}t/"
+                                       f"{r.reference_name}") for r in rows],
+        "info": info,
+        "elapsed_s": time.perf_counter() - started,
+        "_rows": rows,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smaller passes (< 1 minute)")
+    parser.add_argument("--json", metavar="PATH", type=Path, default=None,
+                        help="also write the results (ratios and every case) as JSON")
+    parser.add_argument("--repeats", metavar="N", type=int, default=None,
+                        help="timed passes per case (default 5, --quick 3)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    console = Console() if Console().is_terminal else Console(width=160)
+    err = Console(stderr=True)
+    plan = RemotePlan.quick_plan() if args.quick else RemotePlan()
+    if args.repeats is not None:
+        if args.repeats < 1:
+            err.print("--repeats must be at least 1")
+            return 2
+        plan = replace(plan, repeats=args.repeats)
+    try:
+        result = run_remote_bench(plan, log=lambda m: err.print(f"[dim]{m}[/dim]"))
+    except BenchFailure as exc:
+        err.print(f"[red]benchmark failed: {exc}[/red]")
+        return 1
+    except (OSError, RuntimeError) as exc:
+        err.print(f"[red]cannot run the benchmark: {exc}[/red]")
+        return 2
+    rows = result.pop("_rows")
+    render_table(rows, "kvpool node (loopback, DRAM) vs raw socket and Redis, one chunk per op",
+                 console)
+    console.print("EXISTS_PREFIX of 512 keys, per call (p50 / p99):")
+    for name, fig in result["exists_prefix"].items():
+        console.print(f"  {name:8s} {fig['p50_ms']:.3f} ms / {fig['p99_ms']:.3f} ms")
+    console.print("ratios (kvpool / reference, > 1 = kvpool faster):")
+    for name, value in result["ratios"].items():
+        console.print(f"  {name:32s} {value:6.2f}x")
+    console.print(f"redis: {result['info'].get('redis')}; total {result['elapsed_s']:.1f} s"
+                  + (" (--quick)" if plan.quick else ""))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0

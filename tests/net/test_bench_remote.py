@@ -1,0 +1,38 @@
+"""`kvpool bench remote` at a tiny size: every case runs against a real node, a raw-socket
+server and Redis, reads are verified, and every ratio is reported. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+from kvpool.bench.remote import RemotePlan, run_remote_bench
+
+KiB = 1024
+TINY = RemotePlan(sizes=(64 * KiB, 256 * KiB), repeats=2, pass_bytes=1 << 20, min_chunks=4,
+                  exists_keys=512, exists_calls=20, headline_size=256 * KiB)
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_tiny_remote_bench_reports_every_ratio() -> None:
+    assert shutil.which("redis-server"), "redis-server missing: bash scripts/system-deps.sh"
+    result = run_remote_bench(TINY)
+    rows = result.pop("_rows")
+    data = json.loads(json.dumps(result, default=str))
+    for name in ("remote_get_vs_raw_socket", "remote_put_vs_raw_socket", "remote_get_vs_redis",
+                 "remote_put_vs_redis", "remote_get_vs_redis_4t"):
+        assert _positive(data["ratios"][name]), name
+    assert _positive(data["exists_prefix_512_p99_ms"])
+    assert set(data["exists_prefix"]) == {"kvpool", "raw", "redis"}
+    ids = {c["id"] for c in data["cases"]}
+    for size in TINY.sizes:
+        for op in ("get", "put"):
+            for t in TINY.threads:
+                for ref in ("raw socket", "redis"):
+                    assert f"{op}/{size}/{t}t/{ref}" in ids
+    assert len(rows) == len(ids)
+    assert data["info"]["redis"]
