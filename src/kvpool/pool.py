@@ -299,7 +299,8 @@ class KVPool:
 
     def invalidate(self, ns: Namespace | bytes) -> int:
         """Drop every chunk of a namespace in every tier (persisted on SSD). Accepts a
-        Namespace or a 16-byte namespace id, registered or not. Returns chunks dropped."""
+        Namespace or a 16-byte namespace id, registered or not. Returns the copies dropped,
+        summed over tiers (a chunk held in DRAM and on SSD counts twice)."""
         self._check_open()
         ns_id = ns.id if isinstance(ns, Namespace) else bytes(ns)
         dropped = 0

@@ -69,3 +69,28 @@ def test_a_dead_node_costs_misses_and_dropped_saves_never_errors(node: NodeProce
     assert remote["client"]["node_failures"] >= 1
     pool.close()
     other.close()
+
+
+def test_asyncio_client_from_many_tasks(node: NodeProcess) -> None:
+    import asyncio
+
+    from kvpool.config import ClusterConfig
+    from kvpool.net.aio import AsyncClusterClient
+
+    ns = byte_namespace(CHUNK)
+    keys = ns.chunk_keys(list(range(16)))
+
+    async def main() -> list[list[bool]]:
+        async with AsyncClusterClient(ClusterConfig(nodes=[node.address])) as client:
+            await client.register_namespace(ns)
+            assert await client.put_many((k, ns, payload_for(k, CHUNK)) for k in keys) == 16
+            assert await client.exists_prefix(ns, keys) == 16
+            outs = [np.zeros(CHUNK, np.uint8) for _ in keys]
+            found = await asyncio.gather(*(client.get_many_into(ns, [k], [o])
+                                           for k, o in zip(keys, outs, strict=True)))
+            for key, out in zip(keys, outs, strict=True):
+                assert np.array_equal(out, payload_for(key, CHUNK))
+            assert await client.invalidate(ns) >= 16  # copies, summed over the node's tiers
+            return found
+
+    assert asyncio.run(main()) == [[True]] * 16
