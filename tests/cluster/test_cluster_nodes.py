@@ -153,3 +153,28 @@ def test_kill9_under_load_costs_misses_never_errors_or_wrong_bytes(
     conn.close()
     watcher.close()
     c.close()
+
+
+def test_admin_nodes_lists_registered_nodes(nodes: list[NodeProcess], etcd_endpoint: str,
+                                            cluster_name: str, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+    cfg = tmp_path / "client.yaml"
+    cfg.write_text(f"cluster: {{etcd: ['{etcd_endpoint}'], name: '{cluster_name}'}}\n")
+    watcher = EtcdMembership([etcd_endpoint], cluster_name)
+    wait_for(lambda: len(watcher.live_nodes()) == 3, 10, "3 registered nodes")
+    nodes[2].kill9()
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli", "admin", "nodes", "--json",
+                          "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {r["node_id"]: r for r in json.loads(out.stdout)}
+    assert {"node-0", "node-1"} <= set(rows)
+    assert rows["node-0"]["up"] and rows["node-1"]["up"]
+    if "node-2" in rows:  # listed until its lease expires, but shown as down
+        assert not rows["node-2"]["up"]
+    assert rows["node-0"]["address"] == nodes[0].address
+    table = subprocess.run([sys.executable, "-m", "kvpool.cli", "admin", "nodes", "--config",
+                            str(cfg)], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "node-1" in table.stdout
+    watcher.close()
