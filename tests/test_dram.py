@@ -146,6 +146,19 @@ def test_slab_is_stolen_for_a_new_size_class() -> None:
     assert stats["used_bytes"] <= 2 * SLAB
 
 
+def test_an_emptied_size_class_gives_its_slabs_to_a_growing_one() -> None:
+    small, big = byte_namespace(CHUNK), byte_namespace(2 * CHUNK, model="big")
+    rec = Recorder()
+    tier = DramTier(4 * SLAB, SLAB, "lru", on_evict=rec)
+    for i in range(12):  # three slabs of small chunks
+        tier.put(k(i), small, payload_for(k(i)))
+    assert tier.invalidate(small.id) == 12
+    for i in range(8):  # four slabs' worth of big chunks: all four must be usable
+        assert tier.put(k(100 + i), big, payload_for(k(100 + i), 2 * CHUNK))
+    assert rec.evicted == []  # nothing was evicted: idle slabs moved instead
+    assert tier.longest_prefix([k(100 + i) for i in range(8)]) == 8
+
+
 def test_invalidate_namespace() -> None:
     a, b = byte_namespace(model="a"), byte_namespace(model="b")
     tier = DramTier(2 * SLAB, SLAB)

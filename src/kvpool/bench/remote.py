@@ -181,6 +181,7 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
         _add_rows(rows, "put", size, threads, timings, log)
     if sys_.redis is not None:
         sys_.redis.flushall()
+    sys_.kv.invalidate(ns)  # the next size starts with the node's memory free
 
 
 def _add_rows(rows: list[Comparison], case: str, size: int, threads: int,

@@ -31,6 +31,8 @@ from kvpool.net.placement import replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
 
 log = logging.getLogger("kvpool.cluster")
+#: How long a computed live-node list is reused (membership changes are seen this late).
+LIVE_CACHE_S = 0.05
 T = TypeVar("T")
 
 
@@ -55,12 +57,17 @@ class ClusterClient:
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
         self._counters: defaultdict[str, int] = defaultdict(int)
+        self._live_cache: tuple[float, list[str]] | None = None
 
     # ------------------------------------------------------------------ nodes
     def live_nodes(self) -> list[str]:
         """Node ids in placement now: live in membership and not marked down (a node whose
-        retry time has come is live again; its next request is the probe)."""
+        retry time has come is live again; its next request is the probe). Recomputed at
+        most every LIVE_CACHE_S, and at once after a node is marked down."""
         now = time.monotonic()
+        cached = self._live_cache
+        if cached is not None and now < cached[0]:
+            return cached[1]
         out = []
         for node in self.membership.live_nodes():
             with self._lock:
@@ -72,12 +79,14 @@ class ClusterClient:
                                                          c.request_timeout_s)
                 if self._down_until.get(node.node_id, 0.0) <= now:
                     out.append(node.node_id)
+        self._live_cache = (now + LIVE_CACHE_S, out)
         return out
 
     def _mark_down(self, node_id: str, why: BaseException) -> None:
         with self._lock:
             already = self._down_until.get(node_id, 0.0) > time.monotonic()
             self._down_until[node_id] = time.monotonic() + self.cfg.retry_down_s
+            self._live_cache = None
             pool = self._pools.get(node_id)
         self._counters["node_failures"] += 1
         if not already:

@@ -75,6 +75,10 @@ def replicas(node_ids: Sequence[str], keys: Sequence[bytes], count: int) -> list
         return [[] for _ in keys]
     ids = sorted(node_ids)
     take = min(count, len(ids))
+    if len(ids) == 1:
+        if any(len(k) != KEY_BYTES for k in keys):
+            raise ValueError(f"chunk keys must be {KEY_BYTES} bytes")
+        return [[ids[0]] for _ in keys]
     if len(ids) * len(keys) <= SMALL_BATCH:
         seeds = [node_seed(n) for n in ids]
         out = []

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import select
 import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,8 @@ log = logging.getLogger("kvpool.serve")
 _SMALL_META = 64 * 1024  # AUTH / NAMESPACE metadata
 _DISCARD = 1 << 20
 IOV_MAX = 512
+#: Transfers at least this large run on a network thread instead of the event loop.
+OFFLOAD_BYTES = 512 * 1024
 
 
 class _Refused(Exception):
@@ -81,7 +84,14 @@ class Connection:
 
     # ------------------------------------------------------------------ socket helpers
     async def recv_exact(self, view: memoryview) -> None:
-        """Fill ``view`` from the socket. Raises ConnectionError on EOF."""
+        """Fill ``view`` from the socket. Raises ConnectionError on EOF. While other requests
+        are in flight, large payloads are received on a network thread: the copy out of the
+        kernel releases the GIL, so several connections move bytes on several cores and the
+        loop stays responsive. A lone request skips the thread hop."""
+        if view.nbytes >= OFFLOAD_BYTES and self.node.busy:
+            await self.loop.run_in_executor(self.node.net_executor, self._recv_blocking, view)
+            self.last_io = self.loop.time()
+            return
         got = 0
         while got < view.nbytes:
             n = await self.loop.sock_recv_into(self.sock, view[got:])
@@ -105,19 +115,47 @@ class Connection:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
 
+    def _wait(self, events: int) -> None:
+        poller = select.poll()
+        poller.register(self.sock, events | select.POLLERR | select.POLLHUP)
+        if not poller.poll(self.cfg.idle_timeout_s * 1000):
+            raise TimeoutError("peer stalled mid-transfer")
+
+    def _recv_blocking(self, view: memoryview) -> None:
+        got = 0
+        while got < view.nbytes:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except BlockingIOError:
+                self._wait(select.POLLIN)
+                continue
+            if n == 0:
+                raise ConnectionError("peer closed the connection")
+            got += n
+
+    def _send_blocking(self, bufs: list[memoryview]) -> None:
+        while bufs:
+            try:
+                sent = self.sock.sendmsg(bufs[:IOV_MAX])
+            except BlockingIOError:
+                self._wait(select.POLLOUT)
+                continue
+            _advance(bufs, sent)
+
     async def send(self, buffers: Sequence[bytes | memoryview]) -> None:
-        """Scatter-gather send of every buffer, in order."""
+        """Scatter-gather send of every buffer, in order; large answers go out from a network
+        thread (see recv_exact)."""
         bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+        if sum(b.nbytes for b in bufs) >= OFFLOAD_BYTES and self.node.busy:
+            await self.loop.run_in_executor(self.node.net_executor, self._send_blocking, bufs)
+            self.last_io = self.loop.time()
+            return
         while bufs:
             try:
                 sent = self.sock.sendmsg(bufs[:IOV_MAX])
             except BlockingIOError:
                 sent = 0
-            while bufs and sent >= bufs[0].nbytes:
-                sent -= bufs[0].nbytes
-                bufs.pop(0)
-            if bufs and sent:
-                bufs[0] = bufs[0][sent:]
+            _advance(bufs, sent)
             if bufs and not sent:
                 # The socket buffer is full: let the loop wait until the first piece is out.
                 await self.loop.sock_sendall(self.sock, bufs.pop(0))
@@ -326,6 +364,15 @@ class Connection:
             for pin in pins:
                 if pin is not None:
                     pin.release()
+
+
+def _advance(bufs: list[memoryview], sent: int) -> None:
+    """Drop ``sent`` bytes from the front of ``bufs`` (in place)."""
+    while bufs and sent >= bufs[0].nbytes:
+        sent -= bufs[0].nbytes
+        bufs.pop(0)
+    if bufs and sent:
+        bufs[0] = bufs[0][sent:]
 
 
 def _peer_name(sock: socket.socket) -> str:

@@ -41,6 +41,7 @@ class StorageNode:
         self.auth = Authenticator(config.server.auth)
         self.executor = ThreadPoolExecutor(max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
+        self.net_executor = ThreadPoolExecutor(16, thread_name_prefix="kvpool-node-net")
         self._counters: dict[str, int] = {}  # event-loop thread only (stats() copies)
         self._inflight = 0
         self._connections: dict[asyncio.Task[None], Connection] = {}
@@ -62,6 +63,11 @@ class StorageNode:
     # ------------------------------------------------------------------ bookkeeping
     def count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n
+
+    @property
+    def busy(self) -> bool:
+        """More than one request in flight: large transfers then go to network threads."""
+        return self._inflight > 1
 
     def begin_request(self) -> None:
         self._inflight += 1
@@ -166,6 +172,7 @@ class StorageNode:
             log.warning("write-behind queue not drained within drain_timeout_s")
         await loop.run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
+        self.net_executor.shutdown(wait=True)
         print(f"kvpool serve: node {self.node_id} stopped", flush=True)
 
 

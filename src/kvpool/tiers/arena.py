@@ -79,9 +79,22 @@ class SlotArena:
         if not cls.free and self._free_slabs:
             self.give_slab(cls, self._free_slabs.pop())
         if not cls.free:
+            self._reclaim_idle_slab(cls)
+        if not cls.free:
             return None
         cls.used += 1
         return cls.free.pop()
+
+    def _reclaim_idle_slab(self, cls: SizeClass) -> None:
+        """Move one slab from a class that holds no chunk at all (emptied by deletes or an
+        invalidated namespace): without this, a class that has victims of its own would evict
+        them forever while another class's memory sits idle."""
+        for donor in self.classes.values():
+            if donor is not cls and donor.used == 0 and donor.slabs:
+                slab = donor.slabs[-1]
+                self.take_slab(donor, slab)
+                self.give_slab(cls, slab)
+                return
 
     def free(self, slot_size: int, offset: int) -> None:
         cls = self.classes[slot_size]
