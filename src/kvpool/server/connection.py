@@ -50,6 +50,8 @@ log = logging.getLogger("kvpool.serve")
 _SMALL_META = 64 * 1024  # AUTH / NAMESPACE metadata
 _DISCARD = 1 << 20
 IOV_MAX = 512
+#: Namespaces one connection may declare (bounds per-connection memory).
+MAX_NAMESPACES = 256
 #: Transfers at least this large run on a network thread instead of the event loop.
 OFFLOAD_BYTES = 512 * 1024
 
@@ -287,6 +289,9 @@ class Connection:
         if ns.chunk_bytes > self.cfg.max_item_bytes:
             raise _Refused(Status.TOO_LARGE, f"chunks of {ns.chunk_bytes} bytes exceed "
                            f"max_item_bytes {self.cfg.max_item_bytes}")
+        if ns.id not in self.namespaces and len(self.namespaces) >= MAX_NAMESPACES:
+            raise _Refused(Status.BAD_REQUEST, f"more than {MAX_NAMESPACES} namespaces on one "
+                           "connection")
         try:
             self.pool.register_namespace(ns)
         except ValueError as exc:
