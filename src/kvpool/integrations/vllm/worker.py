@@ -3,13 +3,16 @@
 This process owns the embedded :class:`~kvpool.pool.KVPool` (see ``lookup.py`` for why) and
 serves the scheduler's lookups.
 
-* **Load** (``start_load``): one background job per step fetches every chunk of the step's
-  loads from the pool (DRAM, else parallel SSD reads, each verified by checksum), then copies
-  the pages into the engine's blocks layer by layer, setting one event per layer.
-  ``wait_layer`` waits for its own layer only, so layer l+1 is copied while layer l computes.
-  A chunk that misses or fails its checksum fails from there to the end of its request: those
-  blocks are reported by ``take_load_errors`` and vLLM recomputes them, and the request's
-  saves in that step are dropped (they would hold KV computed on top of a bad prefix).
+* **Load** (``start_load``): a background job reads every chunk of the step's loads from the
+  pool (DRAM-resident chunks are pinned and read in place, the rest read into staging, SSD
+  reads in parallel and checksummed). ``wait_layer`` waits for those reads, then copies only
+  its own layer's pages, right before that layer's attention: layer l never waits for the
+  copies of layer l+1. (The copies run on the engine's thread: on CPU a copy thread would
+  only contend for the same cores and the GIL; on an accelerator they are one host-to-device
+  copy per chunk and layer.) A chunk that misses or fails its checksum fails from there to
+  the end of its request: those blocks are reported by ``take_load_errors`` and vLLM
+  recomputes them, and the request's saves in that step are dropped (they would hold KV
+  computed on top of a bad prefix).
 * **Save** (``save_layer``): right after a layer's attention wrote its KV, its pages of the
   chunks to store are gathered into page-aligned staging buffers (a memory copy; the engine's
   blocks are free to be reused after the step). ``end_step`` hands finished chunks to one
@@ -26,6 +29,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -38,12 +43,13 @@ from kvpool.integrations.vllm.layout import (
     make_namespace,
 )
 from kvpool.integrations.vllm.lookup import LookupServer
-from kvpool.integrations.vllm.plan import ChunkCopy, ReqTransfer
+from kvpool.integrations.vllm.plan import ReqTransfer
 from kvpool.integrations.vllm.settings import ConnectorSettings
 from kvpool.integrations.vllm.stats import StatsWriter
 from kvpool.keys import Namespace
 from kvpool.pool import KVPool
 from kvpool.ssd.directio import aligned_buffer
+from kvpool.tiers.dram import PinnedView
 
 log = logging.getLogger("kvpool.integrations.vllm")
 
@@ -77,6 +83,16 @@ class _Marker:
         self.done = done
 
 
+class _Fetched:
+    """A step's loads once read: per chunk (pages, source page index or None for all,
+    destination blocks), plus the pins and staging buffers to release after the copies."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.pins: list[PinnedView | None] = []
+        self.bufs: list[np.ndarray] = []
+
+
 class _PendingSave:
     """One chunk being gathered: ``pages`` holds its engine block ids."""
 
@@ -108,8 +124,9 @@ class WorkerSide:
         self.stats = StatsWriter(stats_path, {"tp_rank": tp_rank, "tp_size": tp_size})
         # loads
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
-        self._load_future: Future[None] | None = None
-        self._layer_events: list[threading.Event] = []
+        self._fetch: Future[_Fetched] | None = None
+        self._fetch_result: _Fetched | None = None
+        self._copied: list[bool] = []
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         # saves
@@ -147,92 +164,122 @@ class WorkerSide:
         self.stats.add(lookups=1, lookup_hit_chunks=hits)
         return hits
 
-    def _pages(self, buf: np.ndarray) -> torch.Tensor:
-        """A chunk buffer as ``[layers, blocks_per_chunk, *page_shape]`` in the KV dtype."""
+    def _pages(self, buf: np.ndarray | memoryview) -> torch.Tensor:
+        """A chunk buffer (staging array or pinned DRAM slot, never written through) as
+        ``[layers, blocks_per_chunk, *page_shape]`` in the KV dtype, without a copy."""
         assert self._geom is not None
         g = self._geom
-        return torch.from_numpy(buf).view(g.dtype).view(
-            len(g.layer_names), self.settings.blocks_per_chunk, *g.page_shape)
+        with warnings.catch_warnings():  # pinned slots are read-only views; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+        return flat.view(g.dtype).view(len(g.layer_names), self.settings.blocks_per_chunk,
+                                       *g.page_shape)
 
     # ---------------------------------------------------------------- loads
     def start_load(self, loads: Sequence[ReqTransfer]) -> None:
-        self._join_load()
+        """Start reading this step's chunks from the pool (background job)."""
+        self._finish_load()
         if not loads or self.ns is None:
             return
-        self._layer_events = [threading.Event() for _ in self._layer_pos]
-        self._load_future = self._loader.submit(self._load_job, list(loads),
-                                                self._layer_events)
+        self._copied = [False] * len(self._layer_pos)
+        self._fetch = self._loader.submit(self._fetch_job, list(loads))
 
-    def _load_job(self, loads: list[ReqTransfer], events: list[threading.Event]) -> None:
-        assert self.ns is not None and self._bufs is not None and self._geom is not None
-        bufs: list[np.ndarray] = []
+    def _fetch_job(self, loads: list[ReqTransfer]) -> _Fetched:
+        """Read every chunk (DRAM-resident ones pinned in place, the rest into staging), then
+        decide per request how far its load is good. Never raises: faults become failed
+        blocks."""
+        assert self.ns is not None and self._bufs is not None
+        fetched = _Fetched()
+        chunks = [c for r in loads for c in r.chunks]
+        keys = [c.keys[self.tp_rank] for c in chunks]
+        sources: list[torch.Tensor | None] = [None] * len(chunks)
         try:
-            chunks = [c for r in loads for c in r.chunks]
-            bufs = [self._bufs.take() for _ in chunks]
-            try:
-                found = self.pool.get_many_into(self.ns, [c.keys[self.tp_rank] for c in chunks],
-                                                bufs)
-            except Exception:
-                log.exception("kvpool load failed; the blocks will be recomputed")
-                found = [False] * len(chunks)
-            good: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            i = 0
-            bad_chunks = bad_blocks = loaded_tokens = 0
-            for req in loads:
-                failed = False
-                for chunk in req.chunks:
-                    if failed or not found[i]:
-                        failed = True
-                        bad_chunks += 1
-                        ids = [b for b in chunk.block_ids if b >= 0]
-                        bad_blocks += len(ids)
-                        self._load_errors.update(ids)
-                        self._failed_reqs.add(req.req_id)
-                    else:
-                        good.append(self._copy_plan(chunk, bufs[i]))
-                        loaded_tokens += sum(b >= 0 for b in chunk.block_ids) \
-                            * self.settings.block_size
-                    i += 1
-            for pos, name in enumerate(self._geom.layer_names):
-                kv = self._kv[name]
-                for pages, src_idx, dst_idx in good:
-                    src = pages[pos].index_select(0, src_idx)
-                    if kv.device != src.device:  # accelerator: one host-to-device copy
-                        src, dst_idx = src.to(kv.device), dst_idx.to(kv.device)
-                    kv.index_copy_(0, dst_idx, src)
-                events[pos].set()
-            self.stats.add(loaded_tokens=loaded_tokens, loaded_chunks=len(good),
-                           load_failed_chunks=bad_chunks, load_failed_blocks=bad_blocks)
+            fetched.pins = self.pool.pin_many(self.ns, keys)
+            for i, pin in enumerate(fetched.pins):
+                if pin is not None:
+                    sources[i] = self._pages(pin.data)
+            rest = [i for i, pin in enumerate(fetched.pins) if pin is None]
+            fetched.bufs = [self._bufs.take() for _ in rest]
+            got = self.pool.get_many_into(self.ns, [keys[i] for i in rest], fetched.bufs) \
+                if rest else []
+            for i, buf, hit in zip(rest, fetched.bufs, got, strict=True):
+                if hit:
+                    sources[i] = self._pages(buf)
         except Exception:
-            log.exception("kvpool load job failed; its blocks will be recomputed")
-            for req in loads:
-                self._failed_reqs.add(req.req_id)
-                for chunk in req.chunks:
-                    self._load_errors.update(b for b in chunk.block_ids if b >= 0)
-        finally:
-            for ev in events:
-                ev.set()
-            for buf in bufs:
-                self._bufs.give(buf)
+            log.exception("kvpool load failed; the blocks will be recomputed")
+            sources = [None] * len(chunks)
+        i = 0
+        bad_chunks = bad_blocks = loaded_tokens = 0
+        for req in loads:
+            failed = False
+            for chunk in req.chunks:
+                src = sources[i]
+                i += 1
+                if failed or src is None:
+                    failed = True
+                    bad_chunks += 1
+                    ids = [b for b in chunk.block_ids if b >= 0]
+                    bad_blocks += len(ids)
+                    self._load_errors.update(ids)
+                    self._failed_reqs.add(req.req_id)
+                    continue
+                pos = [j for j, b in enumerate(chunk.block_ids) if b >= 0]
+                src_idx = None if len(pos) == len(chunk.block_ids) \
+                    else torch.tensor(pos, dtype=torch.long)
+                dst_idx = torch.tensor([chunk.block_ids[j] for j in pos], dtype=torch.long)
+                fetched.copies.append((src, src_idx, dst_idx))
+                loaded_tokens += len(pos) * self.settings.block_size
+        self.stats.add(loaded_tokens=loaded_tokens, loaded_chunks=len(fetched.copies),
+                       load_failed_chunks=bad_chunks, load_failed_blocks=bad_blocks)
+        return fetched
 
-    def _copy_plan(self, chunk: ChunkCopy,
-                   buf: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pos = [j for j, b in enumerate(chunk.block_ids) if b >= 0]
-        return (self._pages(buf), torch.tensor(pos, dtype=torch.long),
-                torch.tensor([chunk.block_ids[j] for j in pos], dtype=torch.long))
+    def _fetched(self) -> _Fetched | None:
+        if self._fetch is not None and self._fetch_result is None:
+            self._fetch_result = self._fetch.result()
+        return self._fetch_result
+
+    def _copy_layer(self, fetched: _Fetched, pos: int) -> None:
+        if self._copied[pos]:
+            return
+        self._copied[pos] = True
+        assert self._geom is not None
+        kv = self._kv[self._geom.layer_names[pos]]
+        for pages, src_idx, dst_idx in fetched.copies:
+            src = pages[pos] if src_idx is None else pages[pos].index_select(0, src_idx)
+            if kv.device != src.device:  # accelerator: one host-to-device copy
+                src, dst_idx = src.to(kv.device), dst_idx.to(kv.device)
+            kv.index_copy_(0, dst_idx, src)
 
     def wait_layer(self, layer_name: str) -> None:
+        """Wait for the reads, then copy this layer's pages (just before its attention)."""
+        if self._fetch is None:
+            return
+        start = time.perf_counter()
         pos = self._layer_pos.get(layer_name)
-        if pos is not None and pos < len(self._layer_events):
-            self._layer_events[pos].wait()
+        fetched = self._fetched()
+        if pos is not None and fetched is not None:
+            self._copy_layer(fetched, pos)
+        self.stats.add(load_wait_us=int((time.perf_counter() - start) * 1e6))
 
-    def _join_load(self) -> None:
-        fut, self._load_future = self._load_future, None
-        if fut is not None:
-            fut.result()  # the job turns its own faults into load errors
+    def _finish_load(self) -> None:
+        """Copy layers no attention asked for, release pins and staging."""
+        fetched = self._fetched()
+        self._fetch, self._fetch_result = None, None
+        if fetched is None:
+            return
+        assert self._bufs is not None
+        try:
+            for pos in range(len(self._copied)):
+                self._copy_layer(fetched, pos)
+        finally:
+            for pin in fetched.pins:
+                if pin is not None:
+                    pin.release()
+            for buf in fetched.bufs:
+                self._bufs.give(buf)
 
     def take_load_errors(self) -> set[int]:
-        self._join_load()
+        self._finish_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -242,6 +289,7 @@ class WorkerSide:
         pos = self._layer_pos.get(layer_name)
         if pos is None or not stores or self._bufs is None:
             return
+        start = time.perf_counter()
         if pos == 0:
             self._begin_saves(stores)
         kv = self._kv[layer_name]  # block-first view of ``kv_layer`` (same memory)
@@ -253,9 +301,11 @@ class WorkerSide:
                 else:  # accelerator: gather on the device, then one device-to-host copy
                     dst.copy_(kv.index_select(0, p.pages.to(kv.device)))
                 p.layers += 1
+        self.stats.add(save_gather_us=int((time.perf_counter() - start) * 1e6))
 
     def _begin_saves(self, stores: Sequence[ReqTransfer]) -> None:
-        assert self._bufs is not None
+        assert self._bufs is not None and self.ns is not None
+        self._fetched()  # a failed load must be known before its request's saves
         self._drop_pending()
         dropped = 0
         for req in stores:
@@ -263,6 +313,8 @@ class WorkerSide:
                 dropped += len(req.chunks)
                 continue
             for chunk in req.chunks:
+                if self.pool.contains(self.ns, chunk.keys[self.tp_rank]):
+                    continue  # already stored (e.g. a prompt's last full chunk on a hit)
                 with self._save_lock:
                     ok = self._save_bytes + self._bufs.nbytes <= self._save_budget
                     if ok:
@@ -292,7 +344,7 @@ class WorkerSide:
     def end_step(self) -> None:
         """After the forward: queue every fully gathered chunk for the pool; drop the rest
         (a step that skipped layers). Never waits for the pool."""
-        self._join_load()
+        self._finish_load()
         complete = len(self._layer_pos)
         for p in self._pending:
             if p.layers == complete and p.req_id not in self._failed_reqs:
@@ -334,7 +386,7 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
-        self._join_load()
+        self._finish_load()
         self._put_queue.put(None)
         self._putter.join()
         self._loader.shutdown(wait=True)
