@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import EngineRunner
 
 from kvpool.config import config_from_dict
 from kvpool.integrations.vllm.layout import namespace_from_canonical
@@ -23,6 +23,7 @@ from kvpool.keys import KEY_BYTES
 from kvpool.pool import KVPool
 from kvpool.record import HEADER_BLOCK, MAGIC
 
+EngineRunner = Callable[..., dict[str, Any]]  # the run_engine fixture (conftest.py)
 BLOCK = 128
 _rng = random.Random(0)
 P1 = [_rng.randrange(300, 4000) for _ in range(600)]
