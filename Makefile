@@ -25,6 +25,7 @@ test: $(STAMP)
 	bash scripts/system-deps.sh
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
+	bash scripts/vllm-env.sh
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
@@ -34,4 +35,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvpool bench storage --json out/bench-storage.json
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm out .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -39,6 +39,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import remote as remote_bench
     remote_bench.add_arguments(remote)
     remote.set_defaults(func=remote_bench.run_from_args)
+    vllm_p = bench_sub.add_parser("vllm", help="TTFT of a vLLM CPU engine: recompute vs "
+                                  "kvpool hits vs vLLM's ExampleConnector")
+    from kvpool.bench import vllm as vllm_bench
+    vllm_bench.add_arguments(vllm_p)
+    vllm_p.set_defaults(func=vllm_bench.run_from_args)
     return parser
 
 
