@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_support import BLOCK, P1, P2, EngineProcess, EngineRunner, EngineStarter, Q
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
-
-EngineRunner = Callable[..., dict[str, Any]]
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +41,16 @@ def tiny_model(vllm_home: Path) -> Path:
     return build_tiny_llama(vllm_home / "tiny-llama")
 
 
+
+
 @pytest.fixture(scope="session")
-def run_engine(vllm_python: Path, vllm_home: Path) -> EngineRunner:
-    """``run_engine(spec, multiprocess=False)`` runs one engine (see run_engine.py for the
-    spec) and returns its JSON result. Fails the test with vLLM's stderr on an error."""
+def start_engine(vllm_python: Path, vllm_home: Path) -> EngineStarter:
+    """``start_engine(spec, multiprocess=False)`` starts one engine (see run_engine.py for the
+    spec) in the background; ``.result()`` waits and returns its JSON result, failing the
+    test with vLLM's stderr on an error."""
     counter = iter(range(1_000_000))
 
-    def run(spec: dict[str, Any], multiprocess: bool = False) -> dict[str, Any]:
+    def start(spec: dict[str, Any], multiprocess: bool = False) -> EngineProcess:
         n = next(counter)
         work = vllm_home / f"run{n}"
         (work / "rpc").mkdir(parents=True)
@@ -68,13 +68,27 @@ def run_engine(vllm_python: Path, vllm_home: Path) -> EngineRunner:
         env.pop("KVPOOL_CONFIG", None)
         spec_path, out_path = work / "spec.json", work / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [str(vllm_python), "-m", "kvpool.integrations.vllm.run_engine", str(spec_path),
-             str(out_path)], env=env, cwd=work, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stderr[-8000:])
-            pytest.fail(f"vLLM engine run {n} failed (exit {proc.returncode}); stderr above")
-        result: dict[str, Any] = json.loads(out_path.read_text())
-        return result
+             str(out_path)], env=env, cwd=work, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        return EngineProcess(proc, out_path, n)
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def run_engine(start_engine: EngineStarter) -> EngineRunner:
+    """``run_engine(spec, multiprocess=False)`` runs one engine to completion and returns
+    its JSON result."""
+
+    def run(spec: dict[str, Any], multiprocess: bool = False) -> dict[str, Any]:
+        return start_engine(spec, multiprocess).result()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def baseline(run_engine: EngineRunner, tiny_model: Path) -> dict[str, Any]:
+    return run_engine({"model": str(tiny_model), "prompts": [P1, P2, Q], "max_tokens": 8,
+                       "logprobs": 1, "block_size": BLOCK, "max_model_len": 2048})

@@ -9,28 +9,28 @@ a fresh engine on its own copy of that pool.
 
 from __future__ import annotations
 
-import random
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_support import (
+    BLOCK,
+    P1,
+    P1_CHUNKS,
+    P2,
+    P2_SHARED_CHUNKS,
+    EngineRunner,
+    Q,
+    counters,
+    outputs,
+)
 
 from kvpool.config import config_from_dict
 from kvpool.integrations.vllm.layout import namespace_from_canonical
 from kvpool.keys import KEY_BYTES
 from kvpool.pool import KVPool
 from kvpool.record import HEADER_BLOCK, MAGIC
-
-EngineRunner = Callable[..., dict[str, Any]]  # the run_engine fixture (conftest.py)
-BLOCK = 128
-_rng = random.Random(0)
-P1 = [_rng.randrange(300, 4000) for _ in range(600)]
-P2 = P1[:300] + [_rng.randrange(300, 4000) for _ in range(200)]
-Q = [_rng.randrange(300, 4000) for _ in range(600)]
-P1_CHUNKS = (len(P1) - 1) // BLOCK  # 4: never the whole prompt
-P2_SHARED_CHUNKS = 300 // BLOCK  # 2
 
 
 def pool_settings(cache_dir: Path) -> dict[str, Any]:
@@ -46,20 +46,6 @@ def spec(model: Path, prompts: list[list[int]], cache_dir: Path | None) -> dict[
     if cache_dir is not None:
         out["connector"] = {"name": "kvpool", "extra": {"config": pool_settings(cache_dir)}}
     return out
-
-
-def outputs(result: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
-    return [(o["token_ids"], o["logprobs"]) for o in result["outputs"]]
-
-
-def counters(result: dict[str, Any]) -> dict[str, int]:
-    c: dict[str, int] = result["connector_stats"]["counters"]
-    return c
-
-
-@pytest.fixture(scope="module")
-def baseline(run_engine: EngineRunner, tiny_model: Path) -> dict[str, Any]:
-    return run_engine(spec(tiny_model, [P1, P2, Q], None))
 
 
 @pytest.fixture(scope="module")
