@@ -346,3 +346,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         console.print(f"wrote {args.json}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_remote", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
