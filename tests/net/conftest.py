@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from node_process import NodeProcess
@@ -20,12 +19,3 @@ def auth_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]
     node.start()
     yield node
     node.stop()
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[NodeProcess]:
-    """A node of the test's own (no auth), which it may kill and restart."""
-    proc = NodeProcess(tmp_path / "node")
-    proc.start()
-    yield proc
-    proc.stop()

@@ -6,11 +6,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from engine_support import (
     BLOCK,
     P1,
@@ -26,14 +24,6 @@ from engine_support import (
 from node_process import NodeProcess
 
 from kvpool.net.connection import NodeConnection
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[NodeProcess]:
-    proc = NodeProcess(tmp_path / "node")
-    proc.start()
-    yield proc
-    proc.stop()
 
 
 def cluster_spec(model: Path, prompts: list[list[int]], cache_dir: Path,
