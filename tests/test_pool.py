@@ -170,3 +170,25 @@ def test_pin_many_gives_zero_copy_views_of_dram_chunks(tmp_path: Path) -> None:
         pool.put_many(ns, [k(300 + i) for i in range(16)],
                       [payload_for(k(300 + i)) for i in range(16)])
         assert not any(pool._dram is not None and pool._dram.contains(x) for x in keys[4:])
+
+
+def test_prefetch_lifts_ssd_chunks_into_dram(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    with KVPool(small_config(tmp_path, pool={"ssd_write": "through"})) as pool:
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(30)]  # 30 x 64 KiB: more than the 1 MiB arena
+        for key in keys:
+            assert pool.put(ns, key, payload_for(key))
+        assert pool.flush(10)
+        cold = [k for k in keys if pool.pin_many(ns, [k])[0] is None]
+        assert len(cold) > 10
+        future = pool.prefetch(ns, cold[:8])
+        assert future is not None and future.result(10) == 8
+        pins = pool.pin_many(ns, cold[:8])
+        assert all(p is not None for p in pins)
+        for key, pin in zip(cold, pins, strict=False):
+            assert pin is not None and np.array_equal(np.frombuffer(pin.data, np.uint8),
+                                                      payload_for(key))
+            pin.release()
+        assert pool.stats()["pool"]["prefetched"] == 8
+        assert pool.prefetch(ns, cold[:8]) is None  # all resident: nothing to do

@@ -12,8 +12,10 @@ PoolClosedError (after close), ValueError (malformed key or buffer).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvpool.buffers import byte_view
@@ -25,6 +27,12 @@ from kvpool.ssd.engine import SsdEngine
 from kvpool.tiers.dram import DramTier, PinnedView
 from kvpool.tiers.remote import RemoteTier
 from kvpool.writebehind import WriteBehind
+
+log = logging.getLogger("kvpool.pool")
+#: Prefetches queued at once; more are skipped (counted) rather than waited for.
+PREFETCH_MAX_PENDING = 4
+#: Chunks a prefetch reads per batch (its scratch memory is this many chunks).
+PREFETCH_BATCH = 8
 
 
 class ChunkReservation:
@@ -62,7 +70,10 @@ class KVPool:
         self._closed = False
         self._counters = dict.fromkeys(("lookups", "lookup_hit_chunks", "dram_hits",
                                         "staged_hits", "ssd_hits", "remote_hits",
-                                        "misses", "promotions"), 0)
+                                        "misses", "promotions", "prefetched",
+                                        "prefetch_skipped"), 0)
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetch_pending = 0
         self._admission: AdmissionPolicy = make_admission_policy(cfg.ssd.admission,
                                                                  cfg.ssd.second_use_window)
         self._ssd: SsdEngine | None = None
@@ -242,6 +253,47 @@ class KVPool:
                 self._counters["promotions"] += 1
         return still
 
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> Future[int] | None:
+        """Start copying the chunks that only slower tiers hold (SSD, storage nodes) up into
+        DRAM, in the background, so a load that follows a lookup finds them there. Returns a
+        future of how many were promoted, or None when there is nothing to do: no DRAM tier,
+        everything already in DRAM, or PREFETCH_MAX_PENDING prefetches already queued (the
+        request is skipped and counted, never waited for). Faults are misses, as in reads."""
+        self._registered(ns)
+        if self._dram is None or (self._ssd is None and self._remote is None):
+            return None
+        todo = [k for k in keys if not self._dram.contains(k)]
+        if not todo:
+            return None
+        with self._lock:
+            if self._prefetch_pending >= PREFETCH_MAX_PENDING:
+                self._counters["prefetch_skipped"] += 1
+                return None
+            self._prefetch_pending += 1
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvpool-prefetch")
+            return self._prefetcher.submit(self._prefetch_job, ns, todo)
+
+    def _prefetch_job(self, ns: Namespace, keys: list[bytes]) -> int:
+        promoted = 0
+        try:
+            bufs = [memoryview(bytearray(ns.chunk_bytes))
+                    for _ in range(min(len(keys), PREFETCH_BATCH))]
+            for start in range(0, len(keys), PREFETCH_BATCH):
+                if self._closed:
+                    break
+                batch = keys[start:start + PREFETCH_BATCH]
+                promoted += sum(self.get_many_into(ns, batch, bufs[:len(batch)]))
+        except PoolClosedError:
+            pass  # closing: the prefetch is moot
+        except Exception:  # a read fault is a miss; a prefetch never surfaces errors
+            log.exception("prefetch of %d chunks failed", len(keys))
+        finally:
+            with self._lock:
+                self._prefetch_pending -= 1
+                self._counters["prefetched"] += promoted
+        return promoted
+
     def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
         """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,
         which get_many_into can still fetch). Each view pins its slot until ``release()``:
@@ -351,6 +403,8 @@ class KVPool:
         if self._closed:
             return
         self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
         if self._dram is not None:
             self._dram.close()
         self._close_lower()

@@ -162,6 +162,9 @@ class WorkerSide:
         assert self.ns is not None
         hits = self.pool.lookup(self.ns, keys)
         self.stats.add(lookups=1, lookup_hit_chunks=hits)
+        # The load follows within a step or two: start lifting SSD / remote hits into DRAM
+        # now, so the load pins them in place instead of reading them then.
+        self.pool.prefetch(self.ns, keys[:hits])
         return hits
 
     def _pages(self, buf: np.ndarray | memoryview) -> torch.Tensor:
