@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool.buffers import advance
+
 REQ = struct.Struct("<BxxxII")  # op, size, slot
 OP_GET, OP_PUT, OP_EXISTS = 1, 2, 3
 
@@ -97,12 +99,7 @@ class RawClient:
     def put(self, slot: int, data: memoryview) -> bool:
         bufs = [memoryview(REQ.pack(OP_PUT, data.nbytes, slot)), data]
         while bufs:  # blocking sendmsg may stop short of the whole request
-            sent = self.sock.sendmsg(bufs)
-            while bufs and sent >= bufs[0].nbytes:
-                sent -= bufs[0].nbytes
-                bufs.pop(0)
-            if bufs:
-                bufs[0] = bufs[0][sent:]
+            advance(bufs, self.sock.sendmsg(bufs))
         return _recv_exact(self.sock, self._ack[:1])
 
     def exists(self, keys: bytes) -> bool:

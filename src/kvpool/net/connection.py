@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kvpool.buffers import byte_view
+from kvpool.buffers import advance, byte_view
+from kvpool.cluster.membership import parse_address
 from kvpool.keys import Namespace, canonical_json
 from kvpool.net.protocol import (
     HEADER_BYTES,
@@ -45,14 +46,6 @@ def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` -> (host, port). Raises ValueError for anything else."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"not a node address (host:port): {address!r}")
-    return host.strip("[]"), int(port)
-
-
 class NodeConnection:
     """One TCP connection. Not thread-safe: use one per thread (NodePool does)."""
 
@@ -66,9 +59,8 @@ class NodeConnection:
             self._req_id = 0
             self._header = memoryview(bytearray(HEADER_BYTES))
             self.declared: set[bytes] = set()
-            self.hello: dict[str, Any] = {}
             if token is not None:
-                self.hello = json.loads(self.call(Op.AUTH, meta=token.encode())[1])
+                self.call(Op.AUTH, meta=token.encode())
         except BaseException:
             self.sock.close()
             raise
@@ -80,12 +72,7 @@ class NodeConnection:
     def _send(self, buffers: list[memoryview]) -> None:
         bufs = [b for b in buffers if b.nbytes]
         while bufs:
-            sent = self.sock.sendmsg(bufs[:IOV_MAX])
-            while bufs and sent >= bufs[0].nbytes:
-                sent -= bufs[0].nbytes
-                bufs.pop(0)
-            if bufs and sent:
-                bufs[0] = bufs[0][sent:]
+            advance(bufs, self.sock.sendmsg(bufs[:IOV_MAX]))
 
     def _recv_exact(self, view: memoryview) -> None:
         got = 0

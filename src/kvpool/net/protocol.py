@@ -109,10 +109,6 @@ class Header:
     def is_response(self) -> bool:
         return bool(self.op & RESPONSE_BIT)
 
-    @property
-    def base_op(self) -> int:
-        return self.op & ~RESPONSE_BIT
-
 
 def unpack_header(raw: bytes | bytearray | memoryview) -> Header:
     """Parse 32 header bytes. Raises ProtocolError on a bad magic or version."""

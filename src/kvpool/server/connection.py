@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from kvpool.buffers import advance
 from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.net.protocol import (
@@ -142,7 +143,7 @@ class Connection:
             except BlockingIOError:
                 self._wait(select.POLLOUT)
                 continue
-            _advance(bufs, sent)
+            advance(bufs, sent)
 
     async def send(self, buffers: Sequence[bytes | memoryview]) -> None:
         """Scatter-gather send of every buffer, in order; large answers go out from a network
@@ -157,7 +158,7 @@ class Connection:
                 sent = self.sock.sendmsg(bufs[:IOV_MAX])
             except BlockingIOError:
                 sent = 0
-            _advance(bufs, sent)
+            advance(bufs, sent)
             if bufs and not sent:
                 # The socket buffer is full: let the loop wait until the first piece is out.
                 await self.loop.sock_sendall(self.sock, bufs.pop(0))
@@ -369,15 +370,6 @@ class Connection:
             for pin in pins:
                 if pin is not None:
                     pin.release()
-
-
-def _advance(bufs: list[memoryview], sent: int) -> None:
-    """Drop ``sent`` bytes from the front of ``bufs`` (in place)."""
-    while bufs and sent >= bufs[0].nbytes:
-        sent -= bufs[0].nbytes
-        bufs.pop(0)
-    if bufs and sent:
-        bufs[0] = bufs[0][sent:]
 
 
 def _peer_name(sock: socket.socket) -> str:
