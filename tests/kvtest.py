@@ -40,3 +40,30 @@ def small_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     return config_from_dict(data)
 
 
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child Python process that must import this checkout's kvpool."""
+    import os
+
+    import kvpool
+
+    env = dict(os.environ)
+    src = str(Path(kvpool.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def read_acks(ack: Path) -> list[bytes]:
+    """Complete lines (hex keys) of a child's acknowledgement log; a torn last line is cut off
+    the file (that put was acknowledged to nobody) so the next child appends after a clean
+    line."""
+    import os
+
+    if not ack.exists():
+        return []
+    raw = ack.read_bytes()
+    cut = raw.rfind(b"\n") + 1
+    if cut != len(raw):
+        os.truncate(ack, cut)
+    return [bytes.fromhex(line.decode()) for line in raw[:cut].splitlines()]

@@ -72,7 +72,7 @@ class SsdConfig(_Section):
     path: str | None = Field(None, description="Directory for segment files, or an existing block device / file used as one raw region. Default: <cache_dir>/ssd.")
     capacity: Size = Field(8 << 30, description="Bytes of SSD space used (rounded down to whole segments, at least 2).")
     segment_size: Size = Field(256 << 20, description="Segment size; eviction frees one whole segment at a time.")
-    durability: Literal["cache", "durable"] = Field("cache", description="cache: no fsync, a crash may lose recent records (never corrupts); durable: fdatasync before a put is acknowledged.")
+    durability: Literal["cache", "durable"] = Field("cache", description="cache: no fsync, a crash may lose recent records (never corrupts); durable: every SSD write is fdatasync-ed before it counts, and with pool.ssd_write: through (or no DRAM tier) KVPool.put returns True only once its record is synced (a batch shares one sync); with ssd_write: evict only chunks already demoted to SSD survive a crash.")
     io_threads: int = Field(4, ge=1, le=64, description="Threads running SSD reads/writes for batched calls.")
     direct_io: Literal["auto", "on", "off"] = Field("auto", description="O_DIRECT: auto falls back to buffered IO with one warning where the file system refuses it; on fails instead.")
     eviction: Literal["fifo", "second_chance"] = Field("second_chance", description="Oldest segment goes first; second_chance copies records read since written forward.")
@@ -85,7 +85,7 @@ class PoolConfig(_Section):
     """The embedded pool that composes the tiers."""
 
     chunk_tokens: int = Field(256, ge=1, description="Default tokens per chunk for integrations.")
-    ssd_write: Literal["evict", "through"] = Field("evict", description="evict: DRAM victims are demoted to SSD; through: every put is also written to SSD (survives restarts).")
+    ssd_write: Literal["evict", "through"] = Field("evict", description="evict: DRAM victims are demoted to SSD; through: every put is also written to SSD (survives restarts): through the write-behind queue in cache mode (a crash may lose what is still queued), synchronously with ssd.durability: durable.")
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
     write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")

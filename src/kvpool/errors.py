@@ -26,3 +26,8 @@ class PoolClosedError(KVPoolError, RuntimeError):
 
 class CorruptRecordError(KVPoolError):
     """A record header or payload failed validation. Tiers turn this into a counted miss."""
+
+
+class ArgumentError(KVPoolError, TypeError, ValueError):
+    """A call got an argument of the wrong type or shape (a key that is not 16 bytes, a
+    namespace that is not a Namespace, ...); the message names the argument."""

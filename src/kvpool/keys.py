@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvpool.errors import ArgumentError
+
 KEY_BYTES = 16
 _ZERO_KEY = bytes(KEY_BYTES)
 
@@ -45,7 +47,9 @@ class KVLayout:
     ``engine_layout`` is a free-form tag for engine-specific page layouts (attention backend,
     block size); ``kv_factor`` is 2 for separate K and V, 1 for MLA-style latent caches.
 
-    Raises ValueError on construction if any dimension is not positive or the dtype is unknown.
+    Raises ArgumentError (a ValueError and a TypeError) on construction if a field has the
+    wrong type (an int field given 2.5, True or "2"), a dimension is not positive or the dtype
+    is unknown.
     """
 
     dtype: str
@@ -59,14 +63,19 @@ class KVLayout:
     engine_layout: str = ""
 
     def __post_init__(self) -> None:
+        _check_fields(self, str_fields=("dtype", "engine_layout"),
+                      int_fields=("num_layers", "num_kv_heads", "head_dim", "chunk_tokens",
+                                  "kv_factor", "tp_rank", "tp_size"))
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"unknown KV dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
+            raise ArgumentError(f"unknown KV dtype {self.dtype!r}; known: "
+                                f"{sorted(DTYPE_BYTES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "kv_factor",
                      "tp_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+                raise ArgumentError(f"KVLayout.{name} must be positive, got "
+                                    f"{getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"KVLayout.tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+            raise ArgumentError(f"KVLayout.tp_rank {self.tp_rank} not in [0, {self.tp_size})")
 
     @property
     def bytes_per_token(self) -> int:
@@ -89,12 +98,19 @@ class Namespace:
     """Model + revision + KV layout + tenant salt. Equal fields give an equal ``id`` everywhere.
 
     Tenants are isolated by ``tenant_salt``: equal prompts of two tenants give different keys.
+    Raises ArgumentError on construction if a field has the wrong type.
     """
 
     model: str
     layout: KVLayout
     revision: str = "main"
     tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, str_fields=("model", "revision", "tenant_salt"), int_fields=())
+        if not isinstance(self.layout, KVLayout):
+            raise ArgumentError(f"Namespace.layout must be a KVLayout, got "
+                                f"{type(self.layout).__name__}")
 
     def canonical(self) -> dict[str, Any]:
         return {
@@ -151,6 +167,22 @@ class Namespace:
 
     def chunk_keys(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         return chunk_keys(self.id, token_ids, self.layout.chunk_tokens)
+
+
+def _check_fields(obj: object, str_fields: Sequence[str], int_fields: Sequence[str]) -> None:
+    """Dataclasses do not check annotations: a float head count or a None model would hash
+    into a namespace id no engine can reproduce. Raises ArgumentError naming the field."""
+    cls = type(obj).__name__
+    for name in str_fields:
+        value = getattr(obj, name)
+        if not isinstance(value, str):
+            raise ArgumentError(f"{cls}.{name} must be a str, got {value!r}")
+    for name in int_fields:
+        value = getattr(obj, name)
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            raise ArgumentError(f"{cls}.{name} must be an int, got {value!r}")
+        if not isinstance(value, int):  # numpy ints: canonical JSON needs a plain int
+            object.__setattr__(obj, name, int(value))
 
 
 def _as_uint32_le(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

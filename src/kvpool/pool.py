@@ -4,10 +4,16 @@ Reads go DRAM -> write-behind staging -> SSD; an SSD hit is promoted to DRAM. Pu
 DRAM; DRAM victims (or, with ``pool.ssd_write: through``, every put) are written to SSD by the
 bounded write-behind queue, as the admission policy allows.
 
+Durability: with ``ssd.durability: durable`` and ``pool.ssd_write: through`` (or no DRAM tier)
+a put is acknowledged (True) only once its record is on the SSD and fdatasync-ed; a batch put
+shares one sync per segment it touches. In every other mode a put is acknowledged when a tier
+holds it in memory, and only what the write-behind queue has written survives a crash.
+
 Failure contract: misses are values (False / 0). Faults of the media (bad checksum, IO errors,
 full staging) become misses or dropped saves, counted in ``stats()``. Misuse raises:
 ChunkSizeError (wrong buffer size), UnknownNamespaceError (namespace not registered),
-PoolClosedError (after close), ValueError (malformed key or buffer).
+PoolClosedError (after close), ArgumentError (a key that is not 16 bytes, keys that are not a
+sequence of keys, a namespace or config of the wrong type), ValueError (a malformed buffer).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from kvpool.buffers import byte_view
 from kvpool.config import Config, load_config
-from kvpool.errors import ChunkSizeError, PoolClosedError, UnknownNamespaceError
+from kvpool.errors import ArgumentError, ChunkSizeError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy
 from kvpool.ssd.engine import SsdEngine
@@ -63,6 +69,9 @@ class KVPool:
     (or the defaults) with ``KVPOOL_*`` overrides; pass a Config to be explicit."""
 
     def __init__(self, config: Config | None = None, remote: bool = True) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise ArgumentError(f"config must be a kvpool Config (load_config() or "
+                                f"config_from_dict({{...}})), got {type(config).__name__}")
         self.config = config if config is not None else load_config()
         cfg = self.config
         self._namespaces: dict[bytes, Namespace] = {}
@@ -71,7 +80,8 @@ class KVPool:
         self._counters = dict.fromkeys(("lookups", "lookup_hit_chunks", "dram_hits",
                                         "staged_hits", "ssd_hits", "remote_hits",
                                         "misses", "promotions", "prefetched",
-                                        "prefetch_skipped"), 0)
+                                        "prefetch_skipped", "durable_write_errors"),
+                                       0)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_pending = 0
         self._admission: AdmissionPolicy = make_admission_policy(cfg.ssd.admission,
@@ -87,6 +97,11 @@ class KVPool:
                                   s.copy_forward_fraction)
             self._wb = WriteBehind(self._ssd, cfg.pool.write_behind_bytes,
                                    cfg.pool.write_behind_batch)
+        #: Every put goes to SSD (write-through, or no DRAM to hold it)...
+        self._through = self._ssd is not None and (cfg.pool.ssd_write == "through"
+                                                   or cfg.dram.capacity == 0)
+        #: ...and, durable, is acknowledged only once synced (no write-behind in between).
+        self.durable_puts = self._through and cfg.ssd.durability == "durable"
         if remote and cfg.cluster.enabled:
             try:
                 self._remote = RemoteTier(cfg.cluster, cfg.pool.write_behind_batch)
@@ -107,8 +122,9 @@ class KVPool:
     def register_namespace(self, ns: Namespace) -> Namespace:
         """Make a namespace usable. Idempotent. Raises ValueError if its chunk cannot fit a
         DRAM slab or an SSD segment, AuthError if storage nodes refuse this client's token
-        for its tenant."""
+        for its tenant, ArgumentError if ``ns`` is not a Namespace."""
         self._check_open()
+        _check_namespace_type(ns)
         if self._dram is not None:
             self._dram.check_chunk_size(ns.chunk_bytes)
         if self._ssd is not None and ns.chunk_bytes > self._ssd.max_payload:
@@ -122,6 +138,7 @@ class KVPool:
 
     def _registered(self, ns: Namespace) -> Namespace:
         self._check_open()
+        _check_namespace_type(ns)
         if ns.id not in self._namespaces:
             raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
                                         "registered; call register_namespace first")
@@ -132,9 +149,22 @@ class KVPool:
             raise PoolClosedError("KVPool is closed")
 
     @staticmethod
-    def _check_key(key: bytes) -> None:
+    def _check_key(key: bytes, what: str = "key") -> None:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(f"chunk key must be {KEY_BYTES} bytes")
+            got = (f"{len(key)} bytes" if isinstance(key, bytes | bytearray | memoryview)
+                   else type(key).__name__)
+            raise ArgumentError(f"{what} must be a chunk key of {KEY_BYTES} bytes, "
+                                f"got {got}")
+
+    @classmethod
+    def _check_keys(cls, keys: Sequence[bytes]) -> None:
+        if isinstance(keys, bytes | bytearray | memoryview | str) or not isinstance(
+                keys, Sequence):
+            raise ArgumentError(f"keys must be a sequence of {KEY_BYTES}-byte chunk keys "
+                                f"(e.g. ns.chunk_keys(tokens)), got {type(keys).__name__}")
+        for i, key in enumerate(keys):
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                cls._check_key(key, f"keys[{i}]")
 
     @staticmethod
     def _check_size(ns: Namespace, view: memoryview, what: str) -> None:
@@ -149,19 +179,59 @@ class KVPool:
             self._wb.offer(key, ns, payload)
 
     def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
-        """Store one chunk (idempotent: chunks are immutable). True if a tier took it; False if
-        it was dropped under overload (counted)."""
+        """Store one chunk (idempotent: chunks are immutable). True if it is stored as the
+        pool's durability promises (see the module docstring: on SSD and synced for durable
+        puts, else held by a tier); False if it was dropped under overload or, for a durable
+        put, the SSD write failed (counted; the chunk may still be served from DRAM)."""
+        return self.put_many(ns, [key], [data]) == 1
+
+    def put_many(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
+        """Store several chunks; returns how many were stored (as ``put`` counts them).
+        Durable puts of one batch share one fdatasync per SSD segment they touch."""
         self._registered(ns)
-        self._check_key(key)
-        view = byte_view(data)
-        self._check_size(ns, view, "data")
-        through = self.config.pool.ssd_write == "through" or self._dram is None
-        staged = self._wb.offer(key, ns, view) if through and self._wb is not None else False
+        self._check_keys(keys)
+        if len(keys) != len(datas):
+            raise ArgumentError(f"keys ({len(keys)}) and datas ({len(datas)}) differ in length")
+        views = [byte_view(d) for d in datas]
+        for view in views:
+            self._check_size(ns, view, "data")
+        if self.durable_puts:
+            synced = self._write_durable(ns, keys, views)
+            for key, view, on_ssd in zip(keys, views, synced, strict=True):
+                self._put_upper(ns, key, view, staged=on_ssd)
+            return sum(synced)
+        stored = 0
+        for key, view in zip(keys, views, strict=True):
+            staged = self._wb.offer(key, ns, view) if self._through and self._wb else False
+            stored += self._put_upper(ns, key, view, staged)
+        return stored
+
+    def _put_upper(self, ns: Namespace, key: bytes, view: memoryview, staged: bool) -> bool:
+        """Hand a chunk to the cluster's write-behind and to DRAM. ``staged``: a lower tier
+        already has it (so a DRAM eviction needs no demotion). True if any tier took it."""
         if self._remote is not None:
             staged |= self._remote.offer(key, ns, view)
         if self._dram is not None:
             return self._dram.put(key, ns, view, on_lower=staged) or staged
         return staged
+
+    def _write_durable(self, ns: Namespace, keys: Sequence[bytes],
+                       views: Sequence[memoryview]) -> list[bool]:
+        """Append the chunks the SSD does not hold yet and fdatasync (the engine is in
+        durable mode). Per chunk: True once it is on the SSD and synced. An IO error (full or
+        failing disk) is logged and counted; the chunks of the failed part are False."""
+        assert self._ssd is not None
+        ssd = self._ssd
+        todo = [(k, ns, v) for k, v in zip(keys, views, strict=True) if not ssd.contains(k)]
+        if todo:
+            try:
+                ssd.put_many(todo)
+            except OSError as exc:
+                # Sub-batches written before the failure are indexed (and synced): the
+                # index, not the exception, says which chunks are durable.
+                log.warning("durable put of %d chunks failed: %s", len(todo), exc)
+                self._counters["durable_write_errors"] += 1
+        return [ssd.contains(k) for k in keys]
 
     def reserve(self, ns: Namespace, key: bytes,
                 wait: bool = True) -> ChunkReservation | bool | None:
@@ -169,7 +239,9 @@ class KVPool:
         node receives a PUT payload straight into a DRAM slot), then ``commit()`` or
         ``abort()``. Returns True instead when the chunk is already stored, False when it
         was dropped for lack of room (counted). With ``wait=False`` it never blocks and
-        returns None where it would have waited for a pinned slot. Same checks as ``put``."""
+        returns None where it would have waited for a pinned slot. Same checks as ``put``;
+        ``commit()`` returns what ``put`` would (for durable puts it writes and syncs the
+        record to SSD first, so call it where blocking for an fdatasync is acceptable)."""
         self._registered(ns)
         self._check_key(key)
         if self._dram is None:
@@ -178,22 +250,19 @@ class KVPool:
         slot = self._dram.reserve(key, ns, ns.chunk_bytes, wait=wait)
         if slot is None or isinstance(slot, bool):
             return slot
-        through = self.config.pool.ssd_write == "through" and self._wb is not None
 
         def commit() -> bool:
-            staged = through and self._wb is not None and self._wb.offer(key, ns, slot.view)
+            if self.durable_puts:
+                staged = self._write_durable(ns, [key], [slot.view])[0]
+            else:
+                staged = self._through and self._wb is not None and self._wb.offer(
+                    key, ns, slot.view)
             stored = slot.commit()
             if staged and self._dram is not None:
                 self._dram.mark_on_lower(key)
-            return stored
+            return staged if self.durable_puts else stored
 
         return ChunkReservation(slot.view, commit, slot.abort)
-
-    def put_many(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
-        """Store several chunks; returns how many were stored."""
-        if len(keys) != len(datas):
-            raise ValueError("keys and datas differ in length")
-        return sum(self.put(ns, k, d) for k, d in zip(keys, datas, strict=True))
 
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
@@ -206,20 +275,22 @@ class KVPool:
         """Batched get_into: DRAM first, then staged writes, then parallel SSD reads (hits are
         promoted to DRAM)."""
         self._registered(ns)
+        self._check_keys(keys)
         if len(keys) != len(outs):
-            raise ValueError("keys and outs differ in length")
+            raise ArgumentError(f"keys ({len(keys)}) and outs ({len(outs)}) differ in length")
         views = [byte_view(o, writable=True) for o in outs]
-        for key, view in zip(keys, views, strict=True):
-            self._check_key(key)
+        for view in views:
             self._check_size(ns, view, "output buffer")
         found = [False] * len(keys)
         pending: list[int] = []
+        ns_id = ns.id  # every tier checks the namespace a chunk was stored under
         for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-            if self._dram is not None and self._dram.get_into(key, view):
+            if self._dram is not None and self._dram.get_into(key, view, ns_id):
                 found[i] = True
                 self._counters["dram_hits"] += 1
-            elif (self._wb is not None and self._wb.get_into(key, view)) or (
-                    self._remote is not None and self._remote.staged_get_into(key, view)):
+            elif (self._wb is not None and self._wb.get_into(key, view, ns_id)) or (
+                    self._remote is not None and self._remote.staged_get_into(key, view,
+                                                                              ns_id)):
                 found[i] = True
                 self._counters["staged_hits"] += 1
             else:
@@ -260,9 +331,10 @@ class KVPool:
         everything already in DRAM, or PREFETCH_MAX_PENDING prefetches already queued (the
         request is skipped and counted, never waited for). Faults are misses, as in reads."""
         self._registered(ns)
+        self._check_keys(keys)
         if self._dram is None or (self._ssd is None and self._remote is None):
             return None
-        todo = [k for k in keys if not self._dram.contains(k)]
+        todo = [k for k in keys if not self._dram.contains(k, ns.id)]
         if not todo:
             return None
         with self._lock:
@@ -299,28 +371,28 @@ class KVPool:
         which get_many_into can still fetch). Each view pins its slot until ``release()``:
         release every one, or the slots can never be evicted."""
         self._registered(ns)
-        for key in keys:
-            self._check_key(key)
+        self._check_keys(keys)
         if self._dram is None:
             return [None] * len(keys)
-        views = [self._dram.view(key) for key in keys]
+        views = [self._dram.view(key, ns.id) for key in keys]
         self._counters["dram_hits"] += sum(v is not None for v in views)
         return views
 
-    def _present(self, key: bytes) -> bool:
-        return ((self._dram is not None and self._dram.contains(key))
-                or (self._wb is not None and self._wb.contains(key))
+    def _present(self, ns_id: bytes, key: bytes) -> bool:
+        return ((self._dram is not None and self._dram.contains(key, ns_id))
+                or (self._wb is not None and self._wb.contains(key, ns_id))
                 or (self._ssd is not None and self._ssd.contains(key))
-                or (self._remote is not None and self._remote.staged(key)))
+                or (self._remote is not None and self._remote.staged(key, ns_id)))
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Length of the longest leading run of ``keys`` present in any tier: the local
         tiers first, then (for the rest) one batched EXISTS_PREFIX per storage node."""
         self._registered(ns)
+        self._check_keys(keys)
         self._counters["lookups"] += 1
         n = 0
         for key in keys:
-            if not self._present(key):
+            if not self._present(ns.id, key):
                 break
             n += 1
         if n < len(keys) and self._remote is not None:
@@ -329,13 +401,16 @@ class KVPool:
         return n
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
+        """True if any local tier (or the cluster's save queue) holds the chunk."""
         self._registered(ns)
-        return self._present(key)
+        self._check_key(key)
+        return self._present(ns.id, key)
 
     # ------------------------------------------------------------------ removal
     def delete(self, ns: Namespace, key: bytes) -> bool:
         """Remove a chunk from every tier; True if any tier held it."""
         self._registered(ns)
+        self._check_key(key)
         removed = False
         if self._dram is not None:
             removed |= self._dram.delete(key)
@@ -414,3 +489,9 @@ class KVPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_namespace_type(ns: object) -> None:
+    if not isinstance(ns, Namespace):
+        raise ArgumentError(f"ns must be a kvpool Namespace (register_namespace(Namespace("
+                            f"...))), got {type(ns).__name__}")

@@ -91,17 +91,27 @@ class WriteBehind:
             self._cond.notify_all()
         return True
 
-    def get_into(self, key: bytes, out: memoryview) -> bool:
+    def _find(self, key: bytes, namespace_id: bytes | None) -> _Staged | None:
+        """The staged chunk, if any (and, given ``namespace_id``, only if it was staged
+        under that namespace); lock held."""
+        staged = self._queue.get(key) or self._writing.get(key)
+        if staged is None or (namespace_id is not None and staged.ns.id != namespace_id):
+            return None
+        return staged
+
+    def get_into(self, key: bytes, out: memoryview, namespace_id: bytes | None = None) -> bool:
+        """Copy a staged chunk into ``out``. False if none is staged (under
+        ``namespace_id``, when given) or its size differs from ``out``'s."""
         with self._lock:
-            staged = self._queue.get(key) or self._writing.get(key)
+            staged = self._find(key, namespace_id)
             if staged is None or staged.nbytes != out.nbytes:
                 return False
             out[:] = staged.buffer[:staged.nbytes]
             return True
 
-    def contains(self, key: bytes) -> bool:
+    def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
         with self._lock:
-            return key in self._queue or key in self._writing
+            return self._find(key, namespace_id) is not None
 
     def discard(self, key: bytes) -> None:
         """Forget a staged chunk (deleted by the user) so it is not written."""

@@ -111,7 +111,7 @@ class DramTier:
         self._closed = False
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "put_bytes", "hits", "misses", "evictions", "dropped_puts",
-             "slab_steals"), 0)
+             "slab_steals", "namespace_mismatches"), 0)
 
     @property
     def capacity(self) -> int:
@@ -257,12 +257,14 @@ class DramTier:
         self._cond.notify_all()
 
     # ------------------------------------------------------------------ reads
-    def _pin(self, key: bytes) -> _Entry | None:
+    def _pin(self, key: bytes, namespace_id: bytes | None) -> _Entry | None:
         with self._lock:
             self._check_open()
             entry = self._entries.get(key)
-            if entry is None:
+            if entry is None or (namespace_id is not None and entry.ns.id != namespace_id):
                 self._counters["misses"] += 1
+                if entry is not None:
+                    self._counters["namespace_mismatches"] += 1
                 return None
             entry.pins += 1
             entry.hits += 1
@@ -280,11 +282,12 @@ class DramTier:
             elif entry.pins == 0:
                 self._cond.notify_all()
 
-    def get_into(self, key: bytes, out: Any) -> bool:
-        """Copy a chunk into ``out``. False on a miss; ChunkSizeError if ``out``'s size differs
-        from the stored chunk."""
+    def get_into(self, key: bytes, out: Any, namespace_id: bytes | None = None) -> bool:
+        """Copy a chunk into ``out``. False on a miss, or when ``namespace_id`` is given and
+        the chunk was stored under another namespace; ChunkSizeError if ``out``'s size
+        differs from the stored chunk."""
         view = byte_view(out, writable=True)
-        entry = self._pin(key)
+        entry = self._pin(key, namespace_id)
         if entry is None:
             return False
         try:
@@ -296,17 +299,20 @@ class DramTier:
             self._unpin(entry)
         return True
 
-    def view(self, key: bytes) -> PinnedView | None:
-        """Zero-copy read view that pins the slot until released; None on a miss."""
-        entry = self._pin(key)
+    def view(self, key: bytes, namespace_id: bytes | None = None) -> PinnedView | None:
+        """Zero-copy read view that pins the slot until released; None on a miss (as for
+        ``get_into``)."""
+        entry = self._pin(key, namespace_id)
         if entry is None:
             return None
         return PinnedView(self, entry, self._arena.view(entry.offset, entry.nbytes).toreadonly())
 
-    def contains(self, key: bytes) -> bool:
+    def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
+        """True if the chunk is resident (stored under ``namespace_id``, when given)."""
         with self._lock:
             self._check_open()
-            return key in self._entries
+            entry = self._entries.get(key)
+            return entry is not None and (namespace_id is None or entry.ns.id == namespace_id)
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:

@@ -31,11 +31,12 @@ class RemoteTier:
     def offer(self, key: bytes, ns: Namespace, data: Any) -> bool:
         return self._wb.offer(key, ns, data)
 
-    def staged_get_into(self, key: bytes, out: memoryview) -> bool:
-        return self._wb.get_into(key, out)
+    def staged_get_into(self, key: bytes, out: memoryview,
+                        namespace_id: bytes | None = None) -> bool:
+        return self._wb.get_into(key, out, namespace_id)
 
-    def staged(self, key: bytes) -> bool:
-        return self._wb.contains(key)
+    def staged(self, key: bytes, namespace_id: bytes | None = None) -> bool:
+        return self._wb.contains(key, namespace_id)
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return self.client.exists_prefix(ns, keys)
