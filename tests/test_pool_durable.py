@@ -132,6 +132,17 @@ def test_durable_put_is_on_disk_when_it_returns(tmp_path: Path) -> None:
         slot.view[:] = payload_for(key, dw.CHUNK)
         assert slot.commit()
         assert pool.stats()["ssd"]["records"] == 21
+        # several at once (a node's PUT batch): all written and synced before it returns
+        batch = [dw.key_of("batch", i) for i in range(4)]
+        slots = [pool.reserve(dw.NS, k) for k in batch]
+        for k, s in zip(batch, slots, strict=True):
+            assert s is not None and not isinstance(s, bool)
+            s.view[:] = payload_for(k, dw.CHUNK)
+        assert pool.commit_many([s for s in slots if not isinstance(s, bool | None)]) == 4
+        assert pool.stats()["ssd"]["records"] == 25
+        out = np.zeros(dw.CHUNK, np.uint8)
+        assert all(pool.get_into(dw.NS, k, out) and np.array_equal(out, payload_for(k, dw.CHUNK))
+                   for k in batch)
 
 
 def test_cache_mode_keeps_write_behind(tmp_path: Path) -> None:

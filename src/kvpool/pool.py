@@ -30,7 +30,7 @@ from kvpool.errors import ArgumentError, ChunkSizeError, PoolClosedError, Unknow
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy
 from kvpool.ssd.engine import SsdEngine
-from kvpool.tiers.dram import DramTier, PinnedView
+from kvpool.tiers.dram import DramTier, PinnedView, SlotReservation
 from kvpool.tiers.remote import RemoteTier
 from kvpool.writebehind import WriteBehind
 
@@ -42,26 +42,33 @@ PREFETCH_BATCH = 8
 
 
 class ChunkReservation:
-    """Room for one chunk being filled in place; see ``KVPool.reserve``. ``commit`` publishes
-    it (True if stored), ``abort`` gives the room back; the first of them wins."""
+    """Room for one chunk being filled in place through ``view``; see ``KVPool.reserve``.
+    ``commit`` publishes it (what ``put`` would return), ``abort`` gives the room back; the
+    first of them wins. ``KVPool.commit_many`` publishes several at once."""
 
-    __slots__ = ("_abort", "_commit", "_done", "view")
+    __slots__ = ("_commit_many", "key", "ns", "slot", "view")
 
-    def __init__(self, view: memoryview, commit: Callable[[], bool],
-                 abort: Callable[[], None]) -> None:
-        self.view, self._commit, self._abort = view, commit, abort
-        self._done = False
+    def __init__(self, ns: Namespace, key: bytes, view: memoryview,
+                 slot: SlotReservation | None, commit_many: Callable[
+                     [Sequence[ChunkReservation]], int]) -> None:
+        self.ns, self.key, self.view, self.slot = ns, key, view, slot
+        #: None once committed or aborted.
+        self._commit_many: Callable[[Sequence[ChunkReservation]], int] | None = commit_many
+
+    def take(self) -> bool:
+        """Claim the reservation for a commit; False if it was committed or aborted."""
+        if self._commit_many is None:
+            return False
+        self._commit_many = None
+        return True
 
     def commit(self) -> bool:
-        if self._done:
-            return True
-        self._done = True
-        return self._commit()
+        commit_many = self._commit_many
+        return True if commit_many is None else commit_many([self]) == 1
 
     def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._abort()
+        if self.take() and self.slot is not None:
+            self.slot.abort()
 
 
 class KVPool:
@@ -196,7 +203,7 @@ class KVPool:
         for view in views:
             self._check_size(ns, view, "data")
         if self.durable_puts:
-            synced = self._write_durable(ns, keys, views)
+            synced = self._write_durable([(k, ns, v) for k, v in zip(keys, views, strict=True)])
             for key, view, on_ssd in zip(keys, views, synced, strict=True):
                 self._put_upper(ns, key, view, staged=on_ssd)
             return sum(synced)
@@ -215,14 +222,13 @@ class KVPool:
             return self._dram.put(key, ns, view, on_lower=staged) or staged
         return staged
 
-    def _write_durable(self, ns: Namespace, keys: Sequence[bytes],
-                       views: Sequence[memoryview]) -> list[bool]:
+    def _write_durable(self, items: Sequence[tuple[bytes, Namespace, memoryview]]) -> list[bool]:
         """Append the chunks the SSD does not hold yet and fdatasync (the engine is in
         durable mode). Per chunk: True once it is on the SSD and synced. An IO error (full or
         failing disk) is logged and counted; the chunks of the failed part are False."""
         assert self._ssd is not None
         ssd = self._ssd
-        todo = [(k, ns, v) for k, v in zip(keys, views, strict=True) if not ssd.contains(k)]
+        todo = [item for item in items if not ssd.contains(item[0])]
         if todo:
             try:
                 ssd.put_many(todo)
@@ -231,38 +237,51 @@ class KVPool:
                 # index, not the exception, says which chunks are durable.
                 log.warning("durable put of %d chunks failed: %s", len(todo), exc)
                 self._counters["durable_write_errors"] += 1
-        return [ssd.contains(k) for k in keys]
+        return [ssd.contains(key) for key, _, _ in items]
 
     def reserve(self, ns: Namespace, key: bytes,
                 wait: bool = True) -> ChunkReservation | bool | None:
         """Room for one chunk that the caller fills in place through ``.view`` (a storage
-        node receives a PUT payload straight into a DRAM slot), then ``commit()`` or
-        ``abort()``. Returns True instead when the chunk is already stored, False when it
-        was dropped for lack of room (counted). With ``wait=False`` it never blocks and
-        returns None where it would have waited for a pinned slot. Same checks as ``put``;
-        ``commit()`` returns what ``put`` would (for durable puts it writes and syncs the
-        record to SSD first, so call it where blocking for an fdatasync is acceptable)."""
+        node receives a PUT payload straight into a DRAM slot), then ``commit()`` (or
+        ``commit_many``) or ``abort()``. Returns True instead when the chunk is already
+        stored, False when it was dropped for lack of room (counted). With ``wait=False`` it
+        never blocks and returns None where it would have waited for a pinned slot. Same
+        checks as ``put``."""
         self._registered(ns)
         self._check_key(key)
         if self._dram is None:
             scratch = memoryview(bytearray(ns.chunk_bytes))
-            return ChunkReservation(scratch, lambda: self.put(ns, key, scratch), lambda: None)
+            return ChunkReservation(ns, key, scratch, None, self.commit_many)
         slot = self._dram.reserve(key, ns, ns.chunk_bytes, wait=wait)
         if slot is None or isinstance(slot, bool):
             return slot
+        return ChunkReservation(ns, key, slot.view, slot, self.commit_many)
 
-        def commit() -> bool:
-            if self.durable_puts:
-                staged = self._write_durable(ns, [key], [slot.view])[0]
-            else:
-                staged = self._through and self._wb is not None and self._wb.offer(
-                    key, ns, slot.view)
-            stored = slot.commit()
-            if staged and self._dram is not None:
-                self._dram.mark_on_lower(key)
-            return staged if self.durable_puts else stored
-
-        return ChunkReservation(slot.view, commit, slot.abort)
+    def commit_many(self, reservations: Sequence[ChunkReservation]) -> int:
+        """Publish filled reservations; returns how many are stored, counted as ``put_many``
+        counts them. For durable puts this writes and syncs the records first (one sync per
+        segment for the whole batch): call it where blocking on an fdatasync is fine, never
+        on an event loop. Reservations already committed or aborted are skipped."""
+        todo = [r for r in reservations if r.take()]
+        if not todo:
+            return 0
+        if self.durable_puts:
+            staged = self._write_durable([(r.key, r.ns, r.view) for r in todo])
+        else:
+            staged = [self._through and self._wb is not None
+                      and self._wb.offer(r.key, r.ns, r.view) for r in todo]
+        stored = 0
+        for r, on_lower in zip(todo, staged, strict=True):
+            if r.slot is None:  # no DRAM tier: the scratch copy goes where a put would
+                stored += self._put_upper(r.ns, r.key, r.view, on_lower)
+                continue
+            if self._remote is not None:
+                on_lower |= self._remote.offer(r.key, r.ns, r.view)
+            in_dram = r.slot.commit()
+            if on_lower and self._dram is not None:
+                self._dram.mark_on_lower(r.key)
+            stored += on_lower if self.durable_puts else (in_dram or on_lower)
+        return stored
 
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
