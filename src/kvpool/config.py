@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvpool.errors import ConfigError
 
@@ -49,6 +57,13 @@ def parse_size(value: object) -> int:
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 
+#: Alignment of DRAM slabs and SSD segments (O_DIRECT and page size).
+BLOCK_BYTES = 4096
+#: Smallest SSD segment the engine accepts (a header block and room for records).
+MIN_SEGMENT_BYTES = 4 * BLOCK_BYTES
+#: Segment numbers are 16-bit in the SSD index.
+MAX_SEGMENTS = 0xFFFF
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -63,6 +78,20 @@ class DramConfig(_Section):
     shm_path: str | None = Field(None, description="Back the arena by this /dev/shm file (shared with local engine processes) instead of anonymous memory.")
     prefault: bool = Field(False, description="Touch every page of the arena at start: RSS is taken at once, and no put pays a page fault (recommended for storage nodes).")
     put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot when every resident chunk is pinned by a zero-copy view, before the put is dropped (counted).")
+
+    @field_validator("slab_size")
+    @classmethod
+    def _slab_aligned(cls, value: int) -> int:
+        if value <= 0 or value % BLOCK_BYTES:
+            raise ValueError(f"must be a positive multiple of {BLOCK_BYTES}")
+        return value
+
+    @model_validator(mode="after")
+    def _holds_a_slab(self) -> DramConfig:
+        if 0 < self.capacity < self.slab_size:
+            raise ValueError(f"dram.capacity={self.capacity}: smaller than one "
+                             f"dram.slab_size={self.slab_size} (0 disables the DRAM tier)")
+        return self
 
 
 class SsdConfig(_Section):
@@ -79,6 +108,28 @@ class SsdConfig(_Section):
     copy_forward_fraction: float = Field(0.25, ge=0, le=0.9, description="At most this fraction of a segment is copied forward per eviction.")
     admission: Literal["always", "second_use"] = Field("always", description="Which DRAM victims are written to SSD: all, or only chunks used at least twice.")
     second_use_window: int = Field(65536, ge=1, description="Keys remembered by the second_use admission policy.")
+
+    @field_validator("segment_size")
+    @classmethod
+    def _segment_aligned(cls, value: int) -> int:
+        if value % BLOCK_BYTES or value < MIN_SEGMENT_BYTES:
+            raise ValueError(f"must be a multiple of {BLOCK_BYTES} and at least "
+                             f"{MIN_SEGMENT_BYTES}")
+        return value
+
+    @model_validator(mode="after")
+    def _segment_count(self) -> SsdConfig:
+        if not self.enabled:
+            return self
+        segments = self.capacity // self.segment_size
+        if segments < 2:
+            raise ValueError(f"ssd.capacity={self.capacity}: holds fewer than 2 segments of "
+                             f"ssd.segment_size={self.segment_size} (needs at least "
+                             f"{2 * self.segment_size}, or ssd.enabled: false)")
+        if segments > MAX_SEGMENTS:
+            raise ValueError(f"ssd.capacity={self.capacity}: more than {MAX_SEGMENTS} segments "
+                             f"of ssd.segment_size={self.segment_size}; raise ssd.segment_size")
+        return self
 
 
 class PoolConfig(_Section):
@@ -191,6 +242,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        msg = msg.removeprefix("Value error, ")
+        if e["type"] == "value_error" and msg.startswith(f"{key}."):
+            # A rule across keys (a section's own validator) names its keys itself.
+            lines.append(msg)
+            continue
         shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
         lines.append(f"{key}: {msg}{shown}")
     return f"invalid kvpool config ({source}): " + "; ".join(lines)
