@@ -157,13 +157,27 @@ class ServerConfig(_Section):
     node_id: str | None = Field(None, description="Name registered in etcd; default host:port.")
     advertise_host: str | None = Field(None, description="Host clients should dial (default: host).")
     auth: list[TenantToken] = Field(default_factory=list, description="Per-tenant tokens. Empty: no auth (trusted networks only); otherwise every connection must AUTH first.")
+    admin_token: str | None = Field(None, min_length=8, description="Token whose AUTH sees node-wide STATS (and no tenant's data); tenant tokens see only their own tenants' figures. Needs server.auth; without auth every connection sees node-wide STATS.")
+    auth_timeout_s: float = Field(5.0, gt=0, description="With auth on: a connection that has not completed AUTH this long after it was accepted is closed, whatever it sends meanwhile. Also bounds how long a connection refused over max_connections waits for its first request (to answer it BUSY).")
     max_frame_bytes: Size = Field(256 << 20, description="Largest request (metadata + payload); a larger one closes the connection.")
     max_item_bytes: Size = Field(64 << 20, description="Largest chunk a namespace may declare.")
     max_keys: int = Field(65536, ge=1, description="Most keys in one request.")
     max_inflight_bytes: Size = Field(512 << 20, description="Per connection: payload bytes a GET may answer with at once; larger batches are refused (TOO_LARGE).")
-    max_connections: int = Field(1024, ge=1, description="Connections served at once; more are accepted and closed.")
+    max_connections: int = Field(1024, ge=1, description="Connections served at once; a connection over the limit gets BUSY to its first request and is closed (counted, logged rate-limited). The soft fd limit is raised to the hard one at start.")
+    max_namespaces: int = Field(4096, ge=1, description="Namespaces the node keeps registered; past it, the least recently used one that no connection has declared is forgotten (its chunks stay stored and serve again once declared). A NAMESPACE that would need more, all in use, is refused BUSY.")
     idle_timeout_s: float = Field(300.0, gt=0, description="A connection silent this long (or stalled mid-frame) is closed.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time allowed for in-flight requests and the write-behind queue.")
+
+    @model_validator(mode="after")
+    def _admin_needs_auth(self) -> ServerConfig:
+        if self.admin_token is None:
+            return self
+        if not self.auth:
+            raise ValueError("server.admin_token: needs server.auth tokens (without auth "
+                             "every connection already sees node-wide STATS)")
+        if any(t.token == self.admin_token for t in self.auth):
+            raise ValueError("server.admin_token: must differ from every server.auth token")
+        return self
 
 
 class ClusterConfig(_Section):
