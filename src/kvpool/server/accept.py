@@ -26,8 +26,8 @@ LOG_INTERVAL_S = 10.0
 
 def raise_fd_limit(log: logging.Logger) -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard limit (a node holds one descriptor per
-    connection). Returns the (soft, hard) limits in force afterwards (``fd_limits`` says
-    them for the log). Never raises: if the kernel refuses, the old limit stays and a
+    connection). Returns the (soft, hard) limits in force afterwards (``log_fd_limits``
+    says them). Never raises: if the kernel refuses, the old limit stays and a
     warning says so."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard
@@ -45,10 +45,21 @@ def raise_fd_limit(log: logging.Logger) -> tuple[int, int]:
     return soft, hard
 
 
-def fd_limits() -> str:
-    """The fd limits in force, for the log."""
+#: Descriptors a node needs besides its connections (segment files, etcd, logs, uvloop).
+RESERVED_FDS = 64
+
+
+def log_fd_limits(log: logging.Logger, max_connections: int) -> None:
+    """Log the fd limits in force; a warning if they cannot hold ``max_connections``
+    connections (the node then backs off on EMFILE instead of serving that many)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return f"{_limit(soft)} open files (hard limit {_limit(hard)})"
+    text = f"fd limit: {_limit(soft)} open files (hard limit {_limit(hard)})"
+    if soft != resource.RLIM_INFINITY and soft < max_connections + RESERVED_FDS:
+        log.warning("%s: too few for server.max_connections=%d; raise the hard limit "
+                    "(ulimit -Hn, LimitNOFILE=) or lower server.max_connections", text,
+                    max_connections)
+    else:
+        log.info("%s; server.max_connections=%d", text, max_connections)
 
 
 def _limit(value: int) -> str:

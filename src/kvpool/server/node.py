@@ -32,7 +32,7 @@ from kvpool.config import Config
 from kvpool.errors import KVPoolError
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
-from kvpool.server.accept import AcceptBackoff, RateLimited, fd_limits, raise_fd_limit
+from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
 from kvpool.server.auth import Authenticator
 from kvpool.server.connection import Connection
 from kvpool.server.registry import NamespaceRegistry
@@ -220,8 +220,7 @@ class StorageNode:
         sweeper = asyncio.create_task(self._sweep_idle())
         print(f"kvpool serve: node {self.node_id} listening on {self.host}:{self.port} "
               f"(pid {os.getpid()})", flush=True)
-        log.info("fd limit: %s; server.max_connections=%d", fd_limits(),
-                 self.config.server.max_connections)
+        log_fd_limits(log, self.config.server.max_connections)
         if ready is not None:
             ready.set()
         try:
