@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -36,11 +37,13 @@ def node_config(base: Path, **sections: Any) -> dict[str, Any]:
 
 class NodeProcess:
     """One storage node. ``start()`` waits for its listening line; the port is kept across
-    restarts (the first start picks a free one)."""
+    restarts (the first start picks a free one). ``fd_limit``: run it with soft = hard
+    RLIMIT_NOFILE of that many descriptors (so the node cannot raise it)."""
 
-    def __init__(self, base: Path, **sections: Any) -> None:
+    def __init__(self, base: Path, *, fd_limit: int | None = None, **sections: Any) -> None:
         base.mkdir(parents=True, exist_ok=True)
         self.base = base
+        self.fd_limit = fd_limit
         self.config = node_config(base, **sections)
         self.port: int = int(self.config["server"].get("port", 0))
         self.proc: subprocess.Popen[str] | None = None
@@ -55,10 +58,17 @@ class NodeProcess:
         path = self.base / "node.yaml"
         path.write_text(yaml.safe_dump(self.config))
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+        limit = self.fd_limit
+
+        def limit_fds() -> None:
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         with open(self.log, "a") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvpool.cli", "serve", "--config", str(path)],
-                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                preexec_fn=limit_fds if limit is not None else None)
         deadline = time.monotonic() + timeout_s
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:

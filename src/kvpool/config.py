@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvpool.errors import ConfigError
 
@@ -49,6 +57,13 @@ def parse_size(value: object) -> int:
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 
+#: Alignment of DRAM slabs and SSD segments (O_DIRECT and page size).
+BLOCK_BYTES = 4096
+#: Smallest SSD segment the engine accepts (a header block and room for records).
+MIN_SEGMENT_BYTES = 4 * BLOCK_BYTES
+#: Segment numbers are 16-bit in the SSD index.
+MAX_SEGMENTS = 0xFFFF
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -63,6 +78,20 @@ class DramConfig(_Section):
     shm_path: str | None = Field(None, description="Back the arena by this /dev/shm file (shared with local engine processes) instead of anonymous memory.")
     prefault: bool = Field(False, description="Touch every page of the arena at start: RSS is taken at once, and no put pays a page fault (recommended for storage nodes).")
     put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot when every resident chunk is pinned by a zero-copy view, before the put is dropped (counted).")
+
+    @field_validator("slab_size")
+    @classmethod
+    def _slab_aligned(cls, value: int) -> int:
+        if value <= 0 or value % BLOCK_BYTES:
+            raise ValueError(f"must be a positive multiple of {BLOCK_BYTES}")
+        return value
+
+    @model_validator(mode="after")
+    def _holds_a_slab(self) -> DramConfig:
+        if 0 < self.capacity < self.slab_size:
+            raise ValueError(f"dram.capacity={self.capacity}: smaller than one "
+                             f"dram.slab_size={self.slab_size} (0 disables the DRAM tier)")
+        return self
 
 
 class SsdConfig(_Section):
@@ -79,6 +108,28 @@ class SsdConfig(_Section):
     copy_forward_fraction: float = Field(0.25, ge=0, le=0.9, description="At most this fraction of a segment is copied forward per eviction.")
     admission: Literal["always", "second_use"] = Field("always", description="Which DRAM victims are written to SSD: all, or only chunks used at least twice.")
     second_use_window: int = Field(65536, ge=1, description="Keys remembered by the second_use admission policy.")
+
+    @field_validator("segment_size")
+    @classmethod
+    def _segment_aligned(cls, value: int) -> int:
+        if value % BLOCK_BYTES or value < MIN_SEGMENT_BYTES:
+            raise ValueError(f"must be a multiple of {BLOCK_BYTES} and at least "
+                             f"{MIN_SEGMENT_BYTES}")
+        return value
+
+    @model_validator(mode="after")
+    def _segment_count(self) -> SsdConfig:
+        if not self.enabled:
+            return self
+        segments = self.capacity // self.segment_size
+        if segments < 2:
+            raise ValueError(f"ssd.capacity={self.capacity}: holds fewer than 2 segments of "
+                             f"ssd.segment_size={self.segment_size} (needs at least "
+                             f"{2 * self.segment_size}, or ssd.enabled: false)")
+        if segments > MAX_SEGMENTS:
+            raise ValueError(f"ssd.capacity={self.capacity}: more than {MAX_SEGMENTS} segments "
+                             f"of ssd.segment_size={self.segment_size}; raise ssd.segment_size")
+        return self
 
 
 class PoolConfig(_Section):
@@ -106,13 +157,27 @@ class ServerConfig(_Section):
     node_id: str | None = Field(None, description="Name registered in etcd; default host:port.")
     advertise_host: str | None = Field(None, description="Host clients should dial (default: host).")
     auth: list[TenantToken] = Field(default_factory=list, description="Per-tenant tokens. Empty: no auth (trusted networks only); otherwise every connection must AUTH first.")
+    admin_token: str | None = Field(None, min_length=8, description="Token whose AUTH sees node-wide STATS (and no tenant's data); tenant tokens see only their own tenants' figures. Needs server.auth; without auth every connection sees node-wide STATS.")
+    auth_timeout_s: float = Field(5.0, gt=0, description="With auth on: a connection that has not completed AUTH this long after it was accepted is closed, whatever it sends meanwhile. Also bounds how long a connection refused over max_connections waits for its first request (to answer it BUSY).")
     max_frame_bytes: Size = Field(256 << 20, description="Largest request (metadata + payload); a larger one closes the connection.")
     max_item_bytes: Size = Field(64 << 20, description="Largest chunk a namespace may declare.")
     max_keys: int = Field(65536, ge=1, description="Most keys in one request.")
     max_inflight_bytes: Size = Field(512 << 20, description="Per connection: payload bytes a GET may answer with at once; larger batches are refused (TOO_LARGE).")
-    max_connections: int = Field(1024, ge=1, description="Connections served at once; more are accepted and closed.")
+    max_connections: int = Field(1024, ge=1, description="Connections served at once; a connection over the limit gets BUSY to its first request and is closed (counted, logged rate-limited). The soft fd limit is raised to the hard one at start.")
+    max_namespaces: int = Field(4096, ge=1, description="Namespaces the node keeps registered; past it, the least recently used one that no connection has declared is forgotten (its chunks stay stored and serve again once declared). A NAMESPACE that would need more, all in use, is refused BUSY.")
     idle_timeout_s: float = Field(300.0, gt=0, description="A connection silent this long (or stalled mid-frame) is closed.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time allowed for in-flight requests and the write-behind queue.")
+
+    @model_validator(mode="after")
+    def _admin_needs_auth(self) -> ServerConfig:
+        if self.admin_token is None:
+            return self
+        if not self.auth:
+            raise ValueError("server.admin_token: needs server.auth tokens (without auth "
+                             "every connection already sees node-wide STATS)")
+        if any(t.token == self.admin_token for t in self.auth):
+            raise ValueError("server.admin_token: must differ from every server.auth token")
+        return self
 
 
 class ClusterConfig(_Section):
@@ -191,6 +256,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        msg = msg.removeprefix("Value error, ")
+        if e["type"] == "value_error" and msg.startswith(f"{key}."):
+            # A rule across keys (a section's own validator) names its keys itself.
+            lines.append(msg)
+            continue
         shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
         lines.append(f"{key}: {msg}{shown}")
     return f"invalid kvpool config ({source}): " + "; ".join(lines)

@@ -143,6 +143,13 @@ class KVPool:
             self._namespaces[ns.id] = ns
         return ns
 
+    def unregister_namespace(self, ns: Namespace) -> None:
+        """Forget a namespace (a storage node bounds its registry with this). Its chunks stay
+        stored: once it is registered again they are served again; until then calls with it
+        raise UnknownNamespaceError. Idempotent."""
+        with self._lock:
+            self._namespaces.pop(ns.id, None)
+
     def _registered(self, ns: Namespace) -> Namespace:
         self._check_open()
         _check_namespace_type(ns)

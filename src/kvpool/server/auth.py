@@ -9,10 +9,13 @@ from kvpool.config import TenantToken
 
 class Authenticator:
     """Maps tokens to the tenants they may act for. With no tokens configured, auth is off and
-    every connection may use every namespace (trusted networks only)."""
+    every connection may use every namespace (trusted networks only). The admin token (only
+    with auth on) grants no tenant: it may read node-wide STATS, nothing else."""
 
-    def __init__(self, tokens: list[TenantToken]) -> None:
+    def __init__(self, tokens: list[TenantToken], admin_token: str | None = None) -> None:
         self._tokens = [(t.token.encode(), frozenset(t.tenants)) for t in tokens]
+        self._admin = admin_token.encode() if admin_token is not None and tokens else None
+        self.tenants: frozenset[str] = frozenset(t for _, ts in self._tokens for t in ts)
 
     @property
     def enabled(self) -> bool:
@@ -25,3 +28,7 @@ class Authenticator:
             if hmac.compare_digest(known, token):
                 found = tenants
         return found
+
+    def is_admin(self, token: bytes) -> bool:
+        """Whether ``token`` is the configured admin token (constant time)."""
+        return self._admin is not None and hmac.compare_digest(self._admin, token)

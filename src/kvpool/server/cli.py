@@ -20,26 +20,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", help="override cache_dir (where the SSD tier lives)")
 
 
-def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> Config | None:
+def _load(args: argparse.Namespace, overrides: dict[str, Any],
+          prog: str = "kvpool") -> Config | None:
     try:
         return load_config(args.config, overrides=overrides)
     except ConfigError as exc:
-        print(f"kvpool: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return None
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
+    """``kvpool serve``. Exit 2 with one line on stderr for a setting that must change (bad
+    config, tier geometry the media cannot hold, unreachable etcd); 1 for an OS failure at
+    start (e.g. the port is taken); 0 after a clean stop."""
     server = {k: v for k, v in (("host", args.host), ("port", args.port),
                                 ("node_id", args.node_id)) if v is not None}
     overrides: dict[str, Any] = {"server": server} if server else {}
     if args.cache_dir:
         overrides["cache_dir"] = args.cache_dir
-    cfg = _load(args, overrides)
+    cfg = _load(args, overrides, "kvpool serve")
     if cfg is None:
         return 2
-    from kvpool.server.node import run
+    from kvpool.server.node import NodeStartError, run
     try:
         return run(cfg)
+    except NodeStartError as exc:
+        print(f"kvpool serve: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"kvpool serve: cannot start: {exc}", file=sys.stderr)
         return 1

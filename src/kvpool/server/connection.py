@@ -8,8 +8,13 @@ buffer first).
 
 Failure contract: a request the node can answer wrongly-but-safely (unknown namespace,
 forbidden tenant, too many bytes for one answer) gets an error response and the connection
-stays open. Bytes that are not a frame, a frame over the limits, an idle or stalled peer, or
+stays open. Bytes that are not a frame, a frame over the limits, an idle or stalled peer, a
+peer that has not completed AUTH within ``server.auth_timeout_s`` (whatever it trickles), or
 any unexpected exception close this connection only; the node keeps serving.
+
+A connection accepted over ``server.max_connections`` is a refusal: its first request is
+answered BUSY and it is closed. A (re-)AUTH starts a new identity: the namespaces declared
+before it are dropped, so they must be declared again under the new token.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from kvpool.net.protocol import (
     unpack_header,
 )
 from kvpool.pool import ChunkReservation, KVPool
+from kvpool.server.registry import RegistryFull
 from kvpool.tiers.dram import PinnedView
 
 if TYPE_CHECKING:
@@ -72,7 +78,10 @@ def node_key(ns_id: bytes, key: bytes) -> bytes:
 
 
 class Connection:
-    def __init__(self, node: StorageNode, sock: socket.socket) -> None:
+    """``refusal``: answer the first request BUSY with this message, then close."""
+
+    def __init__(self, node: StorageNode, sock: socket.socket,
+                 refusal: str | None = None) -> None:
         self.node = node
         self.sock = sock
         self.cfg: ServerConfig = node.config.server
@@ -80,10 +89,13 @@ class Connection:
         self.executor: ThreadPoolExecutor = node.executor
         self.loop = asyncio.get_running_loop()
         self.tenants: frozenset[str] | None = None if node.auth.enabled else frozenset()
-        self.namespaces: dict[bytes, Namespace] = {}
+        self.admin = False  # AUTH with server.admin_token: node-wide STATS
+        self.refusal = refusal
+        self.namespaces: dict[bytes, Namespace] = {}  # each holds a reference in the registry
         self.peer = _peer_name(sock)
         self.last_io = self.loop.time()  # the node's sweeper closes idle or stalled peers
-        self.idle_closed = False
+        self.accepted = self.last_io
+        self.cut_off: str | None = None  # why the sweeper closed it (a counter's name)
 
     # ------------------------------------------------------------------ socket helpers
     async def recv_exact(self, view: memoryview) -> None:
@@ -112,11 +124,19 @@ class Connection:
 
     def close_if_idle(self, now: float) -> None:
         """Called by the node's sweeper: a peer silent (or stalled mid-frame) for longer than
-        server.idle_timeout_s is cut off; its pending receive fails and serve() returns."""
-        if now - self.last_io > self.cfg.idle_timeout_s and not self.idle_closed:
-            self.idle_closed = True
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+        server.idle_timeout_s, or one still unauthenticated (or refused) server.auth_timeout_s
+        after it was accepted, is cut off; its pending receive fails and serve() returns."""
+        if self.cut_off is not None:
+            return
+        if now - self.last_io > self.cfg.idle_timeout_s:
+            self.cut_off = "idle_closed"
+        elif (self.tenants is None or self.refusal is not None) and \
+                now - self.accepted > self.cfg.auth_timeout_s:
+            self.cut_off = "auth_timeouts"
+        else:
+            return
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def _wait(self, events: int) -> None:
         poller = select.poll()
@@ -188,11 +208,18 @@ class Connection:
             self.node.count("protocol_errors")
             log.info("closing %s: %s", self.peer, exc)
         except (ConnectionError, OSError):
-            if self.idle_closed:
-                self.node.count("idle_closed")
+            if self.cut_off is not None:
+                self.node.count(self.cut_off)
         except Exception:  # never let one connection take the node down
             self.node.count("internal_errors")
             log.exception("closing %s after an unexpected error", self.peer)
+        finally:
+            self._drop_namespaces()
+
+    def _drop_namespaces(self) -> None:
+        for ns in self.namespaces.values():
+            self.node.namespaces.release(ns)
+        self.namespaces.clear()
 
     async def handle(self, req: Header) -> bool:
         """Serve one request; False when the connection must close afterwards."""
@@ -205,6 +232,8 @@ class Connection:
         await self.recv_exact(meta)
         self.node.count(f"op_{op.name.lower()}")
         try:
+            if self.refusal is not None:
+                raise _Refused(Status.BUSY, self.refusal, close=True)
             if op is not Op.AUTH and self.tenants is None:
                 raise _Refused(Status.AUTH_REQUIRED, "this node requires AUTH first", close=True)
             await self._dispatch(op, req, meta)
@@ -239,7 +268,7 @@ class Connection:
         elif op is Op.NAMESPACE:
             await self._namespace(req, meta)
         elif op is Op.STATS:
-            stats = await self.loop.run_in_executor(self.executor, self.node.stats)
+            stats = await self.node.stats_for(self)
             await self.reply(req, meta=json.dumps(stats, default=str).encode())
         elif op is Op.INVALIDATE:
             if req.meta_len != NS_BYTES:
@@ -265,11 +294,21 @@ class Connection:
 
     # ------------------------------------------------------------------ ops
     async def _auth(self, req: Header, meta: memoryview) -> None:
-        if not self.node.auth.enabled:
+        # A new identity starts with nothing declared: what the previous token declared
+        # must not stay reachable under this one.
+        self._drop_namespaces()
+        auth = self.node.auth
+        if not auth.enabled:
             self.tenants = frozenset()
             await self.reply(req, meta=self._hello(["*"]))
             return
-        tenants = self.node.auth.tenants_for(bytes(meta))
+        self.tenants, self.admin = None, False
+        token = bytes(meta)
+        if auth.is_admin(token):
+            self.tenants, self.admin = frozenset(), True
+            await self.reply(req, meta=self._hello([]))
+            return
+        tenants = auth.tenants_for(token)
         if tenants is None:
             self.node.count("auth_failures")
             raise _Refused(Status.AUTH_FAILED, "unknown token", close=True)
@@ -277,7 +316,8 @@ class Connection:
         await self.reply(req, meta=self._hello(sorted(tenants)))
 
     def _hello(self, tenants: list[str]) -> bytes:
-        return json.dumps({"node_id": self.node.node_id, "tenants": tenants}).encode()
+        return json.dumps({"node_id": self.node.node_id, "tenants": tenants,
+                           "admin": self.admin}).encode()
 
     async def _namespace(self, req: Header, meta: memoryview) -> None:
         try:
@@ -290,21 +330,28 @@ class Connection:
         if ns.chunk_bytes > self.cfg.max_item_bytes:
             raise _Refused(Status.TOO_LARGE, f"chunks of {ns.chunk_bytes} bytes exceed "
                            f"max_item_bytes {self.cfg.max_item_bytes}")
-        if ns.id not in self.namespaces and len(self.namespaces) >= MAX_NAMESPACES:
-            raise _Refused(Status.BAD_REQUEST, f"more than {MAX_NAMESPACES} namespaces on one "
-                           "connection")
-        try:
-            self.pool.register_namespace(ns)
-        except ValueError as exc:
-            raise _Refused(Status.TOO_LARGE, str(exc)) from None
-        self.namespaces[ns.id] = ns
+        if ns.id not in self.namespaces:
+            if len(self.namespaces) >= MAX_NAMESPACES:
+                raise _Refused(Status.BAD_REQUEST, f"more than {MAX_NAMESPACES} namespaces on "
+                               "one connection")
+            try:
+                self.node.namespaces.acquire(ns)
+            except RegistryFull as exc:
+                self.node.count("namespaces_refused")
+                raise _Refused(Status.BUSY, str(exc)) from None
+            except ValueError as exc:
+                raise _Refused(Status.TOO_LARGE, str(exc)) from None
+            self.namespaces[ns.id] = ns
+            self.node.count_tenant(ns.tenant, "namespaces_declared")
         await self.reply(req, meta=ns.id)
 
     def _namespace_of(self, ns_id: bytes) -> Namespace:
         ns = self.namespaces.get(ns_id)
         if ns is None:
             raise _Refused(Status.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} was not "
-                           "declared on this connection (send NAMESPACE first)")
+                           "declared on this connection since its last AUTH (send NAMESPACE "
+                           "first)")
+        self.node.count_tenant(ns.tenant, "requests")
         return ns
 
     async def _put(self, req: Header, ns_id: bytes, keys: list[bytes]) -> None:
@@ -343,6 +390,9 @@ class Connection:
                 if not isinstance(slot, bool):
                     slot.abort()  # a half-received chunk is never published
         self.node.count("put_chunks", stored)
+        self.node.count_tenant(ns.tenant, "requests")
+        self.node.count_tenant(ns.tenant, "put_chunks", stored)
+        self.node.count_tenant(ns.tenant, "put_bytes", stored * ns.chunk_bytes)
         await self.reply(req, count=stored)
 
     async def _get(self, req: Header, ns: Namespace, keys: list[bytes]) -> None:
@@ -365,6 +415,9 @@ class Connection:
             views = [p for p in payload if p is not None]
             self.node.count("get_hits", len(views))
             self.node.count("get_misses", len(keys) - len(views))
+            self.node.count_tenant(ns.tenant, "get_hits", len(views))
+            self.node.count_tenant(ns.tenant, "get_misses", len(keys) - len(views))
+            self.node.count_tenant(ns.tenant, "get_bytes", len(views) * ns.chunk_bytes)
             await self.reply(req, count=len(views), meta=flags, payload=views)
         finally:
             for pin in pins:

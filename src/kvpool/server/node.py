@@ -1,11 +1,16 @@
 """The storage node behind ``kvpool serve``: an embedded KVPool (DRAM arena + SSD engine)
 served over kvpool's binary protocol on asyncio/uvloop, registered in etcd when configured.
 
-Lifecycle: ``run()`` binds, opens the pool, registers, prints one ``listening`` line and
-serves until SIGTERM/SIGINT. Then it stops accepting, deregisters (clients stop routing to
-it at once), lets in-flight requests finish (up to ``server.drain_timeout_s``), drains the
-write-behind queue to SSD and closes the pool. A kill -9 loses only what was not yet on SSD;
-the next start recovers the SSD log and serves it again (keys are content addresses).
+Lifecycle: ``run()`` raises the soft fd limit to the hard one, binds, opens the pool,
+registers, prints one ``listening`` line and serves until SIGTERM/SIGINT. Then it stops
+accepting, deregisters (clients stop routing to it at once), lets in-flight requests finish
+(up to ``server.drain_timeout_s``), drains the write-behind queue to SSD and closes the pool.
+A kill -9 loses only what was not yet on SSD; the next start recovers the SSD log and serves
+it again (keys are content addresses).
+
+Start-up failures a user can fix (tier geometry the media cannot hold, an etcd that cannot be
+reached to register) raise NodeStartError with one line naming the setting; ``kvpool serve``
+prints it and exits 2. A node never dies of a failed accept (see ``accept.py``).
 """
 
 from __future__ import annotations
@@ -24,27 +29,43 @@ from typing import Any
 
 from kvpool import __version__
 from kvpool.config import Config
+from kvpool.errors import KVPoolError
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
+from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
 from kvpool.server.auth import Authenticator
 from kvpool.server.connection import Connection
+from kvpool.server.registry import NamespaceRegistry
+from kvpool.server.tenants import TenantCounters
 
 log = logging.getLogger("kvpool.serve")
 
+#: Connections over server.max_connections kept open at once until their first request is
+#: answered BUSY; more are closed straight away.
+MAX_REFUSING = 32
+
+
+class NodeStartError(KVPoolError):
+    """The node cannot start for a reason the operator can fix; the message is one line
+    naming the setting."""
+
 
 class StorageNode:
-    """One node. Raises OSError if the port cannot be bound, and whatever KVPool raises for
-    unusable tiers, before serving anything."""
+    """One node. Raises OSError if the port cannot be bound or the media cannot be opened,
+    and NodeStartError for tier geometry the media cannot hold, before serving anything."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.auth = Authenticator(config.server.auth)
+        self.auth = Authenticator(config.server.auth, config.server.admin_token)
+        self.tenant_counts = TenantCounters(self.auth.tenants)
         self.executor = ThreadPoolExecutor(max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
         self.net_executor = ThreadPoolExecutor(16, thread_name_prefix="kvpool-node-net")
         self._counters: dict[str, int] = {}  # event-loop thread only (stats() copies)
         self._inflight = 0
         self._connections: dict[asyncio.Task[None], Connection] = {}
+        self._refusing: dict[asyncio.Task[None], Connection] = {}
+        self._say_refused = RateLimited()
         self.draining = False
         self.started = time.time()
         srv = config.server
@@ -56,9 +77,13 @@ class StorageNode:
         self.node_id = srv.node_id or f"{self.host}:{self.port}"
         try:
             self.pool = KVPool(config, remote=False)  # the node is the remote tier
+        except (ValueError, KVPoolError) as exc:  # tier geometry the media cannot hold
+            self.listener.close()
+            raise NodeStartError(str(exc)) from None
         except BaseException:
             self.listener.close()
             raise
+        self.namespaces = NamespaceRegistry(self.pool, srv.max_namespaces)
 
     # ------------------------------------------------------------------ bookkeeping
     def count(self, name: str, n: int = 1) -> None:
@@ -75,32 +100,90 @@ class StorageNode:
     def end_request(self) -> None:
         self._inflight -= 1
 
-    def stats(self) -> dict[str, Any]:
-        server: dict[str, Any] = dict(self._counters)
-        server.update(node_id=self.node_id, version=__version__,
-                      connections=len(self._connections), inflight_requests=self._inflight,
-                      uptime_s=round(time.time() - self.started, 1))
-        return {"server": server, **self.pool.stats()}
+    def count_tenant(self, tenant: str, name: str, n: int = 1) -> None:
+        if self.auth.enabled:
+            self.tenant_counts.add(tenant, name, n)
+
+    def _identity(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "version": __version__,
+                "uptime_s": round(time.time() - self.started, 1)}
+
+    def _tenant_table(self, tenants: frozenset[str]) -> dict[str, dict[str, int]]:
+        connections: dict[str, int] = {}
+        for conn in self._connections.values():
+            for tenant in conn.tenants or ():
+                connections[tenant] = connections.get(tenant, 0) + 1
+        return self.tenant_counts.snapshot(tenants, connections)
+
+    async def stats_for(self, conn: Connection) -> dict[str, Any]:
+        """STATS as ``conn`` may see them. With auth on, a tenant token gets the node's
+        identity and its own tenants' counters only; the admin token (and every connection
+        when auth is off) gets the node-wide figures of every tier, plus every tenant's."""
+        if self.auth.enabled and not conn.admin:
+            return {"server": self._identity(),
+                    "tenants": self._tenant_table(conn.tenants or frozenset())}
+        server: dict[str, Any] = dict(self._counters)  # copied on the loop that writes it
+        server.update(self._identity(), connections=len(self._connections),
+                      inflight_requests=self._inflight, **self.namespaces.stats())
+        out: dict[str, Any] = {"server": server}
+        if self.auth.enabled:
+            out["tenants"] = self._tenant_table(self.auth.tenants)
+        tiers = await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.stats)
+        return {**out, **tiers}
 
     # ------------------------------------------------------------------ serving
     async def _accept_loop(self) -> None:
+        """Accept until cancelled. A failed accept (out of fds, an aborted connection) is
+        counted, logged rate-limited and retried after a back-off; it never ends the loop."""
         loop = asyncio.get_running_loop()
+        backoff = AcceptBackoff(log)
         while True:
-            sock, _ = await loop.sock_accept(self.listener)
-            if len(self._connections) >= self.config.server.max_connections or self.draining:
-                self.count("connections_refused")
-                sock.close()
+            try:
+                sock, _ = await loop.sock_accept(self.listener)
+            except OSError as exc:
+                self.count("accept_errors")
+                delay = backoff.failed(exc, len(self._connections) + len(self._refusing))
+                if delay:
+                    await asyncio.sleep(delay)
                 continue
+            backoff.succeeded()
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        try:
             sock.setblocking(False)
             tune_socket(sock)
-            self.count("connections_accepted")
-            conn = Connection(self, sock)
-            task = asyncio.create_task(self._serve_connection(conn))
-            self._connections[task] = conn
-            task.add_done_callback(self._forget)
+        except OSError:  # reset before we got to it
+            sock.close()
+            return
+        if self.draining:
+            sock.close()
+            return
+        limit = self.config.server.max_connections
+        if len(self._connections) >= limit:
+            self._refuse(sock, limit)
+            return
+        self.count("connections_accepted")
+        self._start(Connection(self, sock), self._connections)
 
-    def _forget(self, task: asyncio.Task[None]) -> None:
-        self._connections.pop(task, None)
+    def _refuse(self, sock: socket.socket, limit: int) -> None:
+        """Over max_connections: answer the first request BUSY (within auth_timeout_s), then
+        close. Past MAX_REFUSING such connections at once, close without an answer."""
+        self.count("connections_refused")
+        held = self._say_refused.due()
+        if held is not None:
+            log.warning("refusing connections over server.max_connections=%d%s", limit,
+                        f" ({held} more since the last report)" if held else "")
+        if len(self._refusing) >= MAX_REFUSING:
+            sock.close()
+            return
+        message = f"node {self.node_id} already serves server.max_connections={limit}"
+        self._start(Connection(self, sock, refusal=message), self._refusing)
+
+    def _start(self, conn: Connection, table: dict[asyncio.Task[None], Connection]) -> None:
+        task = asyncio.create_task(self._serve_connection(conn))
+        table[task] = conn
+        task.add_done_callback(lambda t: table.pop(t, None))
 
     async def _serve_connection(self, conn: Connection) -> None:
         try:
@@ -112,11 +195,12 @@ class StorageNode:
         """Once a second (or faster for short timeouts): cut off idle or stalled peers. One
         timer for the node instead of one per request."""
         loop = asyncio.get_running_loop()
-        period = min(1.0, self.config.server.idle_timeout_s / 4)
+        srv = self.config.server
+        period = min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             now = loop.time()
-            for conn in list(self._connections.values()):
+            for conn in [*self._connections.values(), *self._refusing.values()]:
                 conn.close_if_idle(now)
 
     async def serve(self, ready: threading.Event | None = None) -> None:
@@ -127,11 +211,16 @@ class StorageNode:
             # Only the main thread may own signals (tests run nodes in threads too).
             with contextlib.suppress(RuntimeError, ValueError):
                 loop.add_signal_handler(sig, self._stop.set)
-        registration = self._register()
+        try:
+            registration = self._register()
+        except BaseException:
+            await self._release()
+            raise
         accept = asyncio.create_task(self._accept_loop())
         sweeper = asyncio.create_task(self._sweep_idle())
         print(f"kvpool serve: node {self.node_id} listening on {self.host}:{self.port} "
               f"(pid {os.getpid()})", flush=True)
+        log_fd_limits(log, self.config.server.max_connections)
         if ready is not None:
             ready.set()
         try:
@@ -144,13 +233,21 @@ class StorageNode:
         self._stop.set()
 
     def _register(self) -> Any:
+        """Register in etcd (if configured). Raises NodeStartError when etcd cannot be reached
+        or refuses: a node nobody can find must not look as if it were serving."""
         cluster = self.config.cluster
         if not cluster.etcd:
             return None
+        from kvpool.cluster.etcd import EtcdError
         from kvpool.cluster.membership import NodeInfo, NodeRegistration
-        reg = NodeRegistration(cluster.etcd, cluster.name,
-                               NodeInfo(self.node_id, self.host, self.port), cluster.lease_ttl_s)
-        reg.start()
+        try:
+            reg = NodeRegistration(cluster.etcd, cluster.name,
+                                   NodeInfo(self.node_id, self.host, self.port),
+                                   cluster.lease_ttl_s)
+            reg.start()
+        except (EtcdError, ValueError) as exc:
+            raise NodeStartError(f"cluster.etcd={','.join(cluster.etcd)}: cannot register node "
+                                 f"{self.node_id}: {exc}") from None
         return reg
 
     async def _shutdown(self, accept: asyncio.Task[None], registration: Any) -> None:
@@ -162,24 +259,32 @@ class StorageNode:
         deadline = time.monotonic() + self.config.server.drain_timeout_s
         while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        for task in list(self._connections):
+        tasks = [*self._connections, *self._refusing]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         loop = asyncio.get_running_loop()
         drained = await loop.run_in_executor(self.executor, self.pool.flush,
                                              max(0.0, deadline - time.monotonic()))
         if not drained:
             log.warning("write-behind queue not drained within drain_timeout_s")
-        await loop.run_in_executor(self.executor, self.pool.close)
+        await self._release()
+        print(f"kvpool serve: node {self.node_id} stopped", flush=True)
+
+    async def _release(self) -> None:
+        """Close the listener, the pool and the worker threads."""
+        self.listener.close()
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
         self.net_executor.shutdown(wait=True)
-        print(f"kvpool serve: node {self.node_id} stopped", flush=True)
 
 
 def run(config: Config) -> int:
-    """Run a node in this process until SIGTERM/SIGINT. Returns the exit status."""
+    """Run a node in this process until SIGTERM/SIGINT. Returns the exit status. Raises
+    NodeStartError (a fixable setting), OSError (e.g. the port is taken)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_fd_limit(log)
     node = StorageNode(config)
     try:
         import uvloop
