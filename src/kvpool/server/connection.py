@@ -376,19 +376,26 @@ class Connection:
                 self.executor, lambda: [bool(s) if s is None else s
                                         for s in (self.pool.reserve(ns, k) for k in scoped)])
         stored = 0
+        received: list[ChunkReservation] = []
         try:
-            for i, slot in enumerate(slots):
+            for slot in slots:
                 if isinstance(slot, bool):
                     await self.discard(ns.chunk_bytes)
                     stored += slot
                 else:
                     await self.recv_exact(slot.view)
-                    stored += slot.commit()
-                    slots[i] = True
+                    received.append(slot)
+            if self.pool.durable_puts:
+                # Acknowledged = on the SSD and synced: one write and sync for the batch, on
+                # a worker thread (an fdatasync must never stall the event loop).
+                stored += await self.loop.run_in_executor(self.executor, self.pool.commit_many,
+                                                          received)
+            else:
+                stored += self.pool.commit_many(received)
         finally:
             for slot in slots:
                 if not isinstance(slot, bool):
-                    slot.abort()  # a half-received chunk is never published
+                    slot.abort()  # a half-received chunk is never published (no-op if done)
         self.node.count("put_chunks", stored)
         self.node.count_tenant(ns.tenant, "requests")
         self.node.count_tenant(ns.tenant, "put_chunks", stored)
