@@ -92,7 +92,7 @@ def test_changed_segment_size_starts_empty(tmp_path: Path) -> None:
     eng.close()
     eng = SsdEngine(tmp_path, 4 * MiB, 2 * MiB)
     assert len(eng) == 0 and not eng.contains(k(1))
-    assert sorted(p.stat().st_size for p in tmp_path.iterdir()) == [2 * MiB, 2 * MiB]
+    assert sorted(p.stat().st_size for p in tmp_path.glob("seg-*.kvs")) == [2 * MiB, 2 * MiB]
     eng.close()
 
 
