@@ -87,8 +87,11 @@ def plan_directory(path: Path, count: int, segment_size: int) -> DirectoryPlan:
     return DirectoryPlan(stale, existing, (count - len(existing)) * segment_size, reclaimable)
 
 
-def _mib(n: int) -> str:
-    return f"{n} bytes ({n / (1 << 20):,.1f} MiB)"
+def _size(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n} bytes ({n / size:.1f} {unit})"
+    return f"{n} bytes"
 
 
 class SegmentStore:
@@ -148,14 +151,14 @@ class SegmentStore:
         fs = os.statvfs(path)
         free = fs.f_bavail * fs.f_frsize
         if plan.missing_bytes > free + plan.reclaimable_bytes:
-            freeable = (f" (+ {_mib(plan.reclaimable_bytes)} in old segment files)"
+            freeable = (f" (+ {_size(plan.reclaimable_bytes)} in old segment files)"
                         if plan.reclaimable_bytes else "")
             raise InsufficientSpaceError(
                 errno.ENOSPC,
-                f"{path}: ssd.capacity={capacity} needs {_mib(plan.missing_bytes)} more "
+                f"{path}: ssd.capacity={capacity} needs {_size(plan.missing_bytes)} more "
                 f"preallocated ({count - len(plan.existing)} segment files of "
                 f"ssd.segment_size={self.segment_size}) but the file system has "
-                f"{_mib(free)} free{freeable}; lower ssd.capacity, or point ssd.path (or "
+                f"{_size(free)} free{freeable}; lower ssd.capacity, or point ssd.path (or "
                 f"cache_dir) at a file system with room", str(path))
         for file in plan.stale:
             file.unlink()  # capacity or segment size changed: that cache data is gone
@@ -172,7 +175,7 @@ class SegmentStore:
                 raise InsufficientSpaceError(
                     exc.errno,
                     f"{path}: ran out of space preallocating {name.name} (ssd.capacity="
-                    f"{capacity} needs {_mib(plan.missing_bytes)}, {_mib(free)} was free "
+                    f"{capacity} needs {_size(plan.missing_bytes)}, {_size(free)} was free "
                     f"before; another writer or file system overhead took the rest); lower "
                     f"ssd.capacity, or point ssd.path (or cache_dir) at a file system with "
                     f"room", str(path)) from exc
