@@ -104,14 +104,14 @@ def _holder(fd: int, lock_path: Path | None) -> tuple[int | None, str | None]:
     be stale), else what the holder wrote into the lock file (the host, and the pid where
     /proc/locks does not show it, e.g. another host on a network file system)."""
     pid = _pid_from_proc_locks(fd)
-    host = None
     if lock_path is not None:
         with contextlib.suppress(OSError, ValueError):
             fields = lock_path.read_text().split()
-            if fields:
-                pid = pid if pid is not None else int(fields[0])
-                host = fields[1] if len(fields) > 1 else None
-    return pid, host
+            # The text may still be the previous holder's (the new one writes it just after
+            # locking): its host is only used when its pid is the holder's.
+            if fields and (pid is None or int(fields[0]) == pid):
+                return int(fields[0]), fields[1] if len(fields) > 1 else None
+    return pid, None
 
 
 def _pid_from_proc_locks(fd: int) -> int | None:
