@@ -165,7 +165,7 @@ class SegmentStore:
         modes = []
         for i in range(count):
             name = path / f"seg-{i:05d}.kvs"
-            if i not in plan.existing:
+            if not os.path.lexists(name):
                 created.append(name)  # before open_file: it may create the file, then fail
             try:
                 fd, is_direct = open_file(str(name), self.segment_size, direct)
