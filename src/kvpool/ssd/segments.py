@@ -176,7 +176,8 @@ class SegmentStore:
                     exc.errno,
                     f"{path}: ran out of space preallocating {name.name} (ssd.capacity="
                     f"{capacity} needs {_size(plan.missing_bytes)}, {_size(free)} was free "
-                    f"before; another writer or file system overhead took the rest); lower "
+                    f"before; another writer, file system overhead or removed files still held "
+                    f"open took the rest); lower "
                     f"ssd.capacity, or point ssd.path (or cache_dir) at a file system with "
                     f"room", str(path)) from exc
             self._fds.append(fd)
