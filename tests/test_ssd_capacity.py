@@ -19,6 +19,7 @@ import pytest
 
 from kvpool import KVLayout, Namespace
 from kvpool.ssd.engine import SsdEngine
+from kvpool.ssd.lock import LOCK_NAME
 
 MiB = 1 << 20
 SEG = MiB
@@ -63,7 +64,8 @@ def assert_exact(engine: SsdEngine, indices: list[int] | range,
 
 
 def disk_bytes(path: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in path.iterdir()}
+    """Every file of the SSD directory but its lock file, with its size."""
+    return {p.name: p.stat().st_size for p in path.iterdir() if p.name != LOCK_NAME}
 
 
 def expected_live(n: int) -> int:

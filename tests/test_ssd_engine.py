@@ -92,7 +92,7 @@ def test_changed_segment_size_starts_empty(tmp_path: Path) -> None:
     eng.close()
     eng = SsdEngine(tmp_path, 4 * MiB, 2 * MiB)
     assert len(eng) == 0 and not eng.contains(k(1))
-    assert sorted(p.stat().st_size for p in tmp_path.iterdir()) == [2 * MiB, 2 * MiB]
+    assert sorted(p.stat().st_size for p in tmp_path.glob("seg-*.kvs")) == [2 * MiB, 2 * MiB]
     eng.close()
 
 
@@ -118,8 +118,13 @@ def test_odirect_refusal_falls_back_with_one_warning(tmp_path: Path,
     out = np.zeros(CHUNK, np.uint8)
     assert eng.get_into(k(1), out) and np.array_equal(out, payload_for(k(1)))
     eng.close()
+    before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(directio.DirectIOUnsupported):
         SsdEngine(tmp_path / "b", 4 * MiB, MiB, direct_io="on")
+    # the refused open closed its fds, removed the file it created and released the lock
+    assert set(os.listdir("/proc/self/fd")) == before
+    assert not list((tmp_path / "b").glob("seg-*.kvs"))
+    SsdEngine(tmp_path / "b", 4 * MiB, MiB, direct_io="off").close()
 
 
 def test_large_reads_in_pieces_are_exact_and_verified(tmp_path: Path) -> None:

@@ -31,3 +31,27 @@ class CorruptRecordError(KVPoolError):
 class ArgumentError(KVPoolError, TypeError, ValueError):
     """A call got an argument of the wrong type or shape (a key that is not 16 bytes, a
     namespace that is not a Namespace, ...); the message names the argument."""
+
+
+class _MediaOSError(KVPoolError, OSError):
+    """An OSError kvpool raises on purpose about its SSD media: ``errno`` and ``filename`` are
+    set, ``str()`` is just the message (no ``[Errno N]`` prefix: the message says it all)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class CacheDirLockedError(_MediaOSError):
+    """Another SSD engine, in this process or another, holds the SSD directory or raw region
+    (errno EWOULDBLOCK, ``filename`` the path). ``holder_pid`` is the holder's pid when it can
+    be found, else None. The message names both ways out: another ``cache_dir``/``ssd.path``,
+    or one shared pool behind a local ``kvpool serve`` node."""
+
+    holder_pid: int | None = None
+
+
+class InsufficientSpaceError(_MediaOSError):
+    """The SSD capacity does not fit in the free space of its file system (errno ENOSPC,
+    ``filename`` the directory). Raised before anything is preallocated, or when preallocation
+    still runs out (another writer, file system metadata) after every file this open created
+    was removed. The message gives the bytes needed and free and the keys to change."""

@@ -68,8 +68,9 @@ def open_file(path: str, size: int | None, mode: DirectMode) -> tuple[int, bool]
 
     Returns (fd, uses_o_direct). With ``mode="auto"`` a file system that refuses O_DIRECT
     (tmpfs on older kernels, some FUSE mounts) gets buffered IO and one warning per process;
-    with ``"on"`` it raises DirectIOUnsupported. Raises OSError (e.g. ENOSPC) if the file
-    cannot be created or preallocated.
+    with ``"on"`` it raises DirectIOUnsupported. Raises OSError (e.g. ENOSPC, EMFILE) if the
+    file cannot be opened, created or preallocated. On any failure no fd stays open; a file
+    this call created (or extended) stays on disk: the caller knows whether it existed before.
     """
     global _warned_fallback
     flags = os.O_RDWR | (os.O_CREAT if size is not None else 0)
@@ -77,22 +78,16 @@ def open_file(path: str, size: int | None, mode: DirectMode) -> tuple[int, bool]
     try:
         if size is not None and os.fstat(fd).st_size < size:
             os.posix_fallocate(fd, 0, size)
+        if mode == "off":
+            return fd, False
+        dfd = _open_direct(path)
     except BaseException:
         os.close(fd)
         raise
-    if mode == "off":
-        return fd, False
-    try:
-        dfd = os.open(path, os.O_RDWR | os.O_DIRECT)
-        probe = aligned_buffer(BLOCK)
-        os.preadv(dfd, [probe], 0)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            os.close(fd)
-            raise
+    if dfd is None:
         if mode == "on":
             os.close(fd)
-            raise DirectIOUnsupported(exc.errno, f"{path}: file system refuses O_DIRECT") from None
+            raise DirectIOUnsupported(errno.EINVAL, f"{path}: file system refuses O_DIRECT")
         if not _warned_fallback:
             log.warning("O_DIRECT is not supported for %s; using buffered IO (reads may be "
                         "served from the page cache)", path)
@@ -100,3 +95,26 @@ def open_file(path: str, size: int | None, mode: DirectMode) -> tuple[int, bool]
         return fd, False
     os.close(fd)
     return dfd, True
+
+
+def _open_direct(path: str) -> int | None:
+    """An O_DIRECT fd that has served one aligned read, or None if the file system refuses
+    O_DIRECT (EINVAL / EOPNOTSUPP at open or at the first read). Other errors raise; no fd
+    stays open either way unless returned."""
+    try:
+        dfd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+    try:
+        os.preadv(dfd, [aligned_buffer(BLOCK)], 0)
+    except OSError as exc:
+        os.close(dfd)
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+    except BaseException:
+        os.close(dfd)
+        raise
+    return dfd

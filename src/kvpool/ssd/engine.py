@@ -16,6 +16,7 @@ only after fdatasync; in ``cache`` mode a crash may lose recent records but neve
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -65,7 +66,10 @@ class SsdEngine:
     hole in the log).
 
     Raises ValueError for bad geometry (segment size not a multiple of 4 KiB, fewer than two
-    segments) and OSError if the media cannot be opened or preallocated (e.g. ENOSPC).
+    segments), CacheDirLockedError if another engine (any process, this one included) holds
+    the directory or device, InsufficientSpaceError if the capacity does not fit in the free
+    space, and OSError if the media cannot be opened or preallocated. A failed open leaves no
+    fd open, no segment file it created and no lock behind (segments.py).
     """
 
     def __init__(self, path: str | os.PathLike[str], capacity: int,
@@ -99,11 +103,18 @@ class SsdEngine:
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "put_bytes", "gets", "hits", "misses", "checksum_failures", "stale_reads",
              "io_errors", "segments_evicted", "records_evicted", "copied_forward",
-             "torn_discarded", "deletes"), 0)
-        # The log shares the engine lock (through _cond), the index and the counters.
-        self._log = SegmentLog(self._store, self._index, self._cond, policy,
-                               forward_budget_blocks, durability == "durable", self._counters)
-        self._recover()
+             "torn_discarded", "deletes", "namespace_mismatch"), 0)
+        try:
+            # The log shares the engine lock (through _cond), the index and the counters.
+            self._log = SegmentLog(self._store, self._index, self._cond, policy,
+                                   forward_budget_blocks, durability == "durable",
+                                   self._counters)
+            self._recover()
+        except BaseException:
+            self._io.shutdown(wait=True)
+            self._pieces.shutdown(wait=True)
+            self._store.close()  # fds and the lock: a failed open holds nothing
+            raise
 
     # ------------------------------------------------------------------ properties
     @property
@@ -274,32 +285,41 @@ class SsdEngine:
         with self._lock:
             return self._index.get(key, mark_hot=True)
 
-    def get_into(self, key: bytes, out: Any) -> bool:
+    def get_into(self, key: bytes, out: Any, *, namespace_id: bytes | None = None) -> bool:
         """Read a chunk's payload into ``out`` (exactly the payload size). Returns False on a
         miss, including a record that fails verification (counted, dropped). On a miss the
-        contents of ``out`` are unspecified. Raises ChunkSizeError if ``out`` has the wrong
-        size, PoolClosedError after close."""
+        contents of ``out`` are unspecified. With ``namespace_id``, a record stored under
+        another namespace is a miss too (counted as ``namespace_mismatch``; the record stays:
+        it is valid for its own namespace), checked before the size. Raises ChunkSizeError if
+        ``out`` has the wrong size, PoolClosedError after close."""
         self._check_open()
         view = byte_view(out, writable=True)
-        return self._read(key, self._locate(key), view, pipelined=True)
+        return self._read(key, self._locate(key), view, pipelined=True,
+                          namespace_id=namespace_id)
 
-    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                      namespace_id: bytes | None = None) -> list[bool]:
         """Parallel reads on the IO thread pool; same contract as get_into per key."""
         self._check_open()
         if len(keys) != len(outs):
             raise ValueError("keys and outs differ in length")
         views = [byte_view(o, writable=True) for o in outs]
         locs = [self._locate(k) for k in keys]
+        read = functools.partial(self._read, namespace_id=namespace_id)
         if len(keys) <= 1:
-            return [self._read(k, loc, v) for k, loc, v in zip(keys, locs, views, strict=True)]
-        return list(self._io.map(self._read, keys, locs, views))
+            return [read(k, loc, v) for k, loc, v in zip(keys, locs, views, strict=True)]
+        return list(self._io.map(read, keys, locs, views))
 
     def _read(self, key: bytes, loc: Location | None, out: memoryview,
-              pipelined: bool = False) -> bool:
+              pipelined: bool = False, namespace_id: bytes | None = None) -> bool:
         self._counters["gets"] += 1
         if loc is None:
             self._counters["misses"] += 1
             return False
+        # The index knows each record's namespace: a foreign one costs no IO (and is not a
+        # ChunkSizeError when the other namespace's chunks differ in size).
+        if namespace_id is not None and self._ns_ids[loc.ns_index] != namespace_id:
+            return self._wrong_namespace()
         nbytes = out.nbytes
         if record_size(nbytes) != loc.blocks * BLOCK:
             raise ChunkSizeError(f"output buffer of {nbytes} bytes does not match the stored "
@@ -335,6 +355,8 @@ class SsdEngine:
         if h.key != key:  # the segment was recycled under us: the record is simply gone
             self._counters["stale_reads"] += 1
             return self._miss()
+        if namespace_id is not None and h.namespace_id != namespace_id:
+            return self._wrong_namespace()  # re-put under another namespace since _locate
         if got < HEADER_BLOCK + nbytes or h.payload_len != nbytes or h.is_tombstone:
             return self._corrupt(key, loc, "length mismatch")
         if hasher.intdigest() != h.checksum:
@@ -347,6 +369,10 @@ class SsdEngine:
     def _miss(self) -> bool:
         self._counters["misses"] += 1
         return False
+
+    def _wrong_namespace(self) -> bool:
+        self._counters["namespace_mismatch"] += 1
+        return self._miss()
 
     def _corrupt(self, key: bytes, loc: Location, why: str) -> bool:
         self._counters["checksum_failures"] += 1

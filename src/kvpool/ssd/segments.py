@@ -1,8 +1,14 @@
 """Where segments live: a directory of preallocated files, or one raw region (a block device
-or an existing file) cut into equal segments. The engine sees (fd, base offset) per segment."""
+or an existing file) cut into equal segments. The engine sees (fd, base offset) per segment.
+
+Opening takes the medium's lock first (one owner, ssd/lock.py), then, for a directory, works
+out what is missing and checks it against the free space before preallocating anything.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 import struct
@@ -11,8 +17,10 @@ from pathlib import Path
 
 import xxhash
 
+from kvpool.errors import InsufficientSpaceError
 from kvpool.record import BLOCK
 from kvpool.ssd.directio import DirectMode, aligned_buffer, open_file
+from kvpool.ssd.lock import MediaLock, lock_directory, lock_region
 
 SEGMENT_MAGIC = b"KVPS"
 SEGMENT_VERSION = 1
@@ -49,46 +57,129 @@ def unpack_segment_header(buf: memoryview) -> SegmentHeader | None:
     return SegmentHeader(size, number, start_seq)
 
 
+@dataclass(frozen=True, slots=True)
+class DirectoryPlan:
+    """What opening a segment directory will do, worked out before anything is written."""
+
+    stale: list[Path]  # segment files of another geometry: removed
+    existing: set[int]  # segment numbers whose file is kept as is
+    missing_bytes: int  # bytes still to preallocate
+    reclaimable_bytes: int  # space that removing the stale files frees
+
+
+def plan_directory(path: Path, count: int, segment_size: int) -> DirectoryPlan:
+    """Survey ``path``: files ``seg-NNNNN.kvs`` of the right size and number are kept; other
+    regular files of that pattern are stale (capacity or segment size changed)."""
+    stale, existing, reclaimable = [], set(), 0
+    for file in path.glob("seg-*.kvs"):
+        st = file.lstat()
+        if not stat.S_ISREG(st.st_mode):
+            continue  # not ours to remove; opening it fails with a clear OSError
+        digits = file.stem[4:]
+        number = int(digits) if digits.isdigit() else -1
+        if 0 <= number < count and st.st_size == segment_size:
+            existing.add(number)
+        else:
+            stale.append(file)
+            # A file with other links (or held open elsewhere) frees nothing when removed; the
+            # latter cannot be seen from here, the cleanup on a mid-way ENOSPC covers it.
+            reclaimable += st.st_blocks * 512 if st.st_nlink == 1 else 0
+    return DirectoryPlan(stale, existing, (count - len(existing)) * segment_size, reclaimable)
+
+
+def _size(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n} bytes ({n / size:.1f} {unit})"
+    return f"{n} bytes"
+
+
 class SegmentStore:
-    """Opens the media. Raises ValueError for an unusable layout (a region smaller than two
-    segments) and OSError when files cannot be created (e.g. a full disk)."""
+    """Opens the media and holds it exclusively (ssd/lock.py) until close().
+
+    Raises ValueError for an unusable layout (a region smaller than two segments),
+    CacheDirLockedError if another engine holds the directory or region,
+    InsufficientSpaceError if the segment files do not fit in the free space (checked before
+    anything is preallocated), and OSError when files cannot be opened or created (EMFILE,
+    O_DIRECT refused with ``direct="on"``, ...). On any failure every fd this open took is
+    closed, every segment file it created is removed (files that existed before are kept) and
+    the lock is released.
+    """
 
     def __init__(self, path: Path, capacity: int, segment_size: int, direct: DirectMode) -> None:
         self.segment_size = segment_size
         self._fds: list[int] = []
         self._bases: list[int] = []
+        self._fd_of: list[int] = []
+        self._lock: MediaLock | None = None
         self.direct = True
         path = path.expanduser()
-        if path.exists() and (stat.S_ISBLK(path.stat().st_mode) or path.is_file()):
-            self._open_region(path, capacity, direct)
-        else:
-            self._open_directory(path, capacity, direct)
+        created: list[Path] = []
+        try:
+            if path.exists() and (stat.S_ISBLK(path.stat().st_mode) or path.is_file()):
+                self._open_region(path, capacity, direct)
+            else:
+                self._open_directory(path, capacity, direct, created)
+        except BaseException:
+            self.close()
+            for file in created:
+                with contextlib.suppress(OSError):
+                    file.unlink()
+            raise
 
     def _open_region(self, path: Path, capacity: int, direct: DirectMode) -> None:
+        self._lock = lock_region(path)
         fd, self.direct = open_file(str(path), None, direct)
+        self._fds = [fd]
         size = os.lseek(fd, 0, os.SEEK_END)
         count = min(capacity, size) // self.segment_size
         if count < 2:
-            os.close(fd)
             raise ValueError(f"{path}: {size} bytes hold fewer than two segments of "
                              f"ssd.segment_size={self.segment_size}")
-        self._fds = [fd]
         self._bases = [i * self.segment_size for i in range(count)]
         self._fd_of = [fd] * count
 
-    def _open_directory(self, path: Path, capacity: int, direct: DirectMode) -> None:
+    def _open_directory(self, path: Path, capacity: int, direct: DirectMode,
+                        created: list[Path]) -> None:
         count = capacity // self.segment_size
         if count < 2:
             raise ValueError(f"ssd.capacity={capacity} holds fewer than two segments of "
                              f"ssd.segment_size={self.segment_size}")
         path.mkdir(parents=True, exist_ok=True)
-        for stale in path.glob("seg-*.kvs"):
-            number = int(stale.stem.split("-")[1]) if stale.stem[4:].isdigit() else -1
-            if number >= count or stale.stat().st_size != self.segment_size:
-                stale.unlink()  # capacity or segment size changed: that cache data is gone
+        self._lock = lock_directory(path)
+        plan = plan_directory(path, count, self.segment_size)
+        fs = os.statvfs(path)
+        free = fs.f_bavail * fs.f_frsize
+        if plan.missing_bytes > free + plan.reclaimable_bytes:
+            freeable = (f" (+ {_size(plan.reclaimable_bytes)} in old segment files)"
+                        if plan.reclaimable_bytes else "")
+            raise InsufficientSpaceError(
+                errno.ENOSPC,
+                f"{path}: ssd.capacity={capacity} needs {_size(plan.missing_bytes)} more "
+                f"preallocated ({count - len(plan.existing)} segment files of "
+                f"ssd.segment_size={self.segment_size}) but the file system has "
+                f"{_size(free)} free{freeable}; lower ssd.capacity, or point ssd.path (or "
+                f"cache_dir) at a file system with room", str(path))
+        for file in plan.stale:
+            file.unlink()  # capacity or segment size changed: that cache data is gone
         modes = []
         for i in range(count):
-            fd, is_direct = open_file(str(path / f"seg-{i:05d}.kvs"), self.segment_size, direct)
+            name = path / f"seg-{i:05d}.kvs"
+            if not os.path.lexists(name):
+                created.append(name)  # before open_file: it may create the file, then fail
+            try:
+                fd, is_direct = open_file(str(name), self.segment_size, direct)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise InsufficientSpaceError(
+                    exc.errno,
+                    f"{path}: ran out of space preallocating {name.name} (ssd.capacity="
+                    f"{capacity} needs {_size(plan.missing_bytes)}, {_size(free)} was free "
+                    f"before; another writer, file system overhead or removed files still held "
+                    f"open took the rest); lower "
+                    f"ssd.capacity, or point ssd.path (or cache_dir) at a file system with "
+                    f"room", str(path)) from exc
             self._fds.append(fd)
             modes.append(is_direct)
         self.direct = all(modes)
@@ -112,6 +203,11 @@ class SegmentStore:
         return list(self._fds)
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        """Close every fd, then release the lock. Idempotent."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
