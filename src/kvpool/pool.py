@@ -235,7 +235,7 @@ class KVPool:
         failing disk) is logged and counted; the chunks of the failed part are False."""
         assert self._ssd is not None
         ssd = self._ssd
-        todo = [item for item in items if not ssd.contains(item[0])]
+        todo = [(k, ns, v) for k, ns, v in items if not ssd.contains(k, ns.id)]
         if todo:
             try:
                 ssd.put_many(todo)
@@ -244,7 +244,7 @@ class KVPool:
                 # index, not the exception, says which chunks are durable.
                 log.warning("durable put of %d chunks failed: %s", len(todo), exc)
                 self._counters["durable_write_errors"] += 1
-        return [ssd.contains(key) for key, _, _ in items]
+        return [ssd.contains(key, ns.id) for key, ns, _ in items]
 
     def reserve(self, ns: Namespace, key: bytes,
                 wait: bool = True) -> ChunkReservation | bool | None:
@@ -322,7 +322,9 @@ class KVPool:
             else:
                 pending.append(i)
         if pending and self._ssd is not None:
-            pending = self._fetch(ns, keys, views, found, pending, self._ssd.get_many_into,
+            ssd = self._ssd
+            pending = self._fetch(ns, keys, views, found, pending,
+                                  lambda k, v: ssd.get_many_into(k, v, namespace_id=ns_id),
                                   "ssd_hits")
         if pending and self._remote is not None:
             remote = self._remote
@@ -407,7 +409,7 @@ class KVPool:
     def _present(self, ns_id: bytes, key: bytes) -> bool:
         return ((self._dram is not None and self._dram.contains(key, ns_id))
                 or (self._wb is not None and self._wb.contains(key, ns_id))
-                or (self._ssd is not None and self._ssd.contains(key))
+                or (self._ssd is not None and self._ssd.contains(key, ns_id))
                 or (self._remote is not None and self._remote.staged(key, ns_id)))
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:

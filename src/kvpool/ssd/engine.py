@@ -268,10 +268,14 @@ class SsdEngine:
         return count
 
     # ------------------------------------------------------------------ reads
-    def contains(self, key: bytes) -> bool:
+    def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
+        """True if the key is indexed (under ``namespace_id``, when given)."""
         self._check_open()
         with self._lock:
-            return key in self._index
+            if namespace_id is None:
+                return key in self._index
+            loc = self._index.get(key)
+            return loc is not None and self._ns_ids[loc.ns_index] == namespace_id
 
     def longest_prefix(self, keys: Sequence[bytes]) -> int:
         self._check_open()
