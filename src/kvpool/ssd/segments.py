@@ -84,8 +84,14 @@ class SegmentStore:
         path.mkdir(parents=True, exist_ok=True)
         for stale in path.glob("seg-*.kvs"):
             number = int(stale.stem.split("-")[1]) if stale.stem[4:].isdigit() else -1
-            if number >= count or stale.stat().st_size != self.segment_size:
-                stale.unlink()  # capacity or segment size changed: that cache data is gone
+            size = stale.stat().st_size
+            if number < 0 or number >= count or size < BLOCK:
+                stale.unlink()  # beyond the capacity, or not even a header: re-created below
+            elif size > self.segment_size:
+                # Trailing junk: cut back to the segment size, its records kept (a file cut
+                # short is extended by the preallocation below). A file of another
+                # ssd.segment_size has a header that says so: its segment is then free.
+                os.truncate(stale, self.segment_size)
         modes = []
         for i in range(count):
             fd, is_direct = open_file(str(path / f"seg-{i:05d}.kvs"), self.segment_size, direct)
