@@ -112,7 +112,8 @@ class SsdEngine:
 
     @property
     def max_payload(self) -> int:
-        return self.segment_size - 2 * HEADER_BLOCK
+        # segment header, record header, and the smallest summary (one block) at the end
+        return self.segment_size - 3 * BLOCK
 
     @property
     def _segments(self) -> list[Segment]:
@@ -127,12 +128,16 @@ class SsdEngine:
 
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> None:
-        """Rebuild segments and index from the media (the log starts a new seq epoch)."""
+        """Rebuild segments and index from the media (the log starts a new seq epoch):
+        records replayed in seq order, so tombstones drop exactly what was written before
+        them."""
         scan = scan_media(self._store, threads=self._io_threads)
         self._log.restore(scan)
         self._counters["torn_discarded"] += scan.torn_discarded
-        for record in scan.records:
-            self._apply(record.header, record.segment, record.offset)
+        self._index.reserve(len(self._index) + len(scan.records))
+        replay = self._replay
+        for r in scan.records:
+            replay(r.key, r.namespace_id, r.flags, r.segment, r.block, r.blocks)
         if scan.records:
             log.info("ssd: recovered %d records in %d segments", len(self._index),
                      len(self._log.fifo))
@@ -148,16 +153,21 @@ class SsdEngine:
         return idx
 
     def _apply(self, h: RecordHeader, seg_no: int, offset: int) -> None:
-        """Replay one record into the index (recovery and live writes alike)."""
-        if h.flags & FLAG_NS_TOMBSTONE:
-            idx = self._ns_lookup.get(h.namespace_id)
+        """Index one record just written (lock held)."""
+        self._replay(h.key, h.namespace_id, h.flags, seg_no, offset // BLOCK,
+                     record_size(h.payload_len) // BLOCK)
+
+    def _replay(self, key: bytes, namespace_id: bytes, flags: int, seg_no: int, block: int,
+                blocks: int) -> None:
+        """Apply one record to the index (recovery and live writes alike)."""
+        if flags & FLAG_NS_TOMBSTONE:
+            idx = self._ns_lookup.get(namespace_id)
             if idx is not None:
                 self._index.remove_slots(self._index.slots_where(ns_index=idx))
-        elif h.flags & FLAG_TOMBSTONE:
-            self._index.remove(h.key)
+        elif flags & FLAG_TOMBSTONE:
+            self._index.remove(key)
         else:
-            self._index.put(h.key, seg_no, offset // BLOCK, record_size(h.payload_len) // BLOCK,
-                            self._ns_index(h.namespace_id))
+            self._index.put(key, seg_no, block, blocks, self._ns_index(namespace_id))
 
     # ------------------------------------------------------------------ writes
     def _check_open(self) -> None:
@@ -223,7 +233,7 @@ class SsdEngine:
                     if written:
                         for p in batch:
                             self._apply(p.header, p.segment, p.offset)
-                    self._log.release(seg_no)
+                    self._log.release(seg_no, () if written else batch)
             start += n
 
     def _append_marker(self, header: RecordHeader) -> None:
