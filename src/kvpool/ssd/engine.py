@@ -1,9 +1,9 @@
 """The SSD tier: a log-structured engine of large preallocated segments (DESIGN.md section 4).
 
 Records (record.py) are appended at the head of the active segment with O_DIRECT; an in-memory
-CompactIndex maps key -> (segment, block, blocks). On start the index is rebuilt by scanning
-the self-describing records of every segment in sequence order (tombstones replayed, a torn
-tail discarded). When the log is full the oldest segment is freed whole; the segment policy
+CompactIndex maps key -> (segment, block, blocks). On start the index is rebuilt from each
+sealed segment's summary, or a walk of its self-describing records where it has none,
+replayed in sequence order (tombstones replayed, a torn tail discarded). When the log is full the oldest segment is freed whole; the segment policy
 may copy its recently read records forward first. Segment states, the log head and eviction
 live in log.py, laying records out into pwritev calls in writer.py, the scan on open in
 recovery.py; this module holds the index, the public API and the read path.

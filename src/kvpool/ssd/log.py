@@ -174,13 +174,6 @@ class SegmentLog:
             self._rolling = False
             self._cond.notify_all()
 
-    def seal_active(self) -> None:
-        """Seal the active segment now (on close): the next open reads its summary instead
-        of walking it. Lock held; waits for its in-flight writes."""
-        while self._rolling:
-            self._cond.wait()
-        self._seal_active()
-
     def _seal_active(self) -> None:
         """Seal the active segment: once the writes reserved in it are done, write its
         summary (synced in durable mode). A failed summary write is logged, not raised: the
