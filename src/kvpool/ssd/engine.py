@@ -3,8 +3,9 @@
 Records (record.py) are appended at the head of the active segment with O_DIRECT; an in-memory
 CompactIndex maps key -> (segment, block, blocks). On start the index is rebuilt from each
 sealed segment's summary, or a walk of its self-describing records where it has none,
-replayed in sequence order (tombstones replayed, a torn tail discarded). When the log is full the oldest segment is freed whole; the segment policy
-may copy its recently read records forward first. Segment states, the log head and eviction
+replayed in sequence order (tombstones replayed, a torn tail discarded). When the log is
+full the oldest segment is freed whole; the segment policy may copy its recently read records
+forward first. Segment states, the log head and eviction
 live in log.py, laying records out into pwritev calls in writer.py, the scan on open in
 recovery.py; this module holds the index, the public API and the read path.
 
@@ -135,9 +136,12 @@ class SsdEngine:
         self._log.restore(scan)
         self._counters["torn_discarded"] += scan.torn_discarded
         self._index.reserve(len(self._index) + len(scan.records))
-        replay = self._replay
+        put, ns_index = self._index.put, self._ns_index  # the common case, without _replay
         for r in scan.records:
-            replay(r.key, r.namespace_id, r.flags, r.segment, r.block, r.blocks)
+            if r.flags:
+                self._replay(r.key, r.namespace_id, r.flags, r.segment, r.block, r.blocks)
+            else:
+                put(r.key, r.segment, r.block, r.blocks, ns_index(r.namespace_id))
         if scan.records:
             log.info("ssd: recovered %d records in %d segments", len(self._index),
                      len(self._log.fifo))

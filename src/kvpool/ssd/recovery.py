@@ -23,6 +23,8 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import itemgetter
 from typing import NamedTuple
 
 from kvpool.errors import CorruptRecordError
@@ -110,12 +112,12 @@ def scan_media(store: SegmentStore, threads: int = 4) -> Scan:
         assert scanned_seg is not None
         if not scanned_seg.summarized:
             _write_summary(store, seg_no, scanned_seg, records)
-    result.records = sorted((r for rs in per_segment.values() for r in rs), key=_seq_of)
+    # Segment lives hold disjoint seq ranges, so in start-seq order this is already sorted
+    # (the sort only checks that, in C).
+    order = sorted(per_segment, key=lambda s: scans[s][0].start_seq)  # type: ignore[index]
+    result.records = sorted(chain.from_iterable(per_segment[s] for s in order),
+                            key=itemgetter(0))
     return result
-
-
-def _seq_of(record: FoundRecord) -> int:
-    return record.seq
 
 
 def _scan_segment(store: SegmentStore,
@@ -140,9 +142,12 @@ def _from_summary(seg_no: int, start_seq: int,
                   found: summary.Summary) -> tuple[ScannedSegment, list[FoundRecord]]:
     e = found.entries
     ns_of = found.ns_ids
-    records = list(map(FoundRecord, e["seq"].tolist(), [seg_no] * e.size, e["block"].tolist(),
-                       e["blocks"].tolist(), e["key"].tolist(),
-                       [ns_of[i] for i in e["ns"].tolist()], e["flags"].tolist()))
+    columns = zip(e["seq"].tolist(), repeat(seg_no, e.size), e["block"].tolist(),
+                  e["blocks"].tolist(), e["key"].tolist(), [ns_of[i] for i in e["ns"].tolist()],
+                  e["flags"].tolist(), strict=True)
+    # tuple.__new__ builds each FoundRecord in C: a NamedTuple's own __new__ is Python code
+    # and would be most of the cost of an open
+    records: list[FoundRecord] = list(map(tuple.__new__, repeat(FoundRecord), columns))
     end = (records[-1].block + records[-1].blocks) * BLOCK if records else HEADER_BLOCK
     return ScannedSegment(start_seq, end, summarized=True), records
 
