@@ -2,7 +2,8 @@
 tombstones.
 
 Geometry: 1 MiB segments, 4 MiB capacity, 64 KiB chunks. A record is a 4 KiB header block
-plus the payload, so exactly 15 records fill a segment and 60 fill the log.
+plus the payload; a segment also keeps a 4 KiB header and room for its summary at its end, so
+14 records fill a segment and 56 fill the log.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ SEG = MiB
 CAP = 4 * MiB
 NS = Namespace("m", KVLayout("uint8", 1, 1, 65536, 1, kv_factor=1))
 CHUNK = NS.chunk_bytes
-PER_SEG = 15
+PER_SEG = 14
 SEGS = CAP // SEG
-assert (SEG - 4096) // (4096 + CHUNK) == PER_SEG
+assert (SEG - 2 * 4096) // (4096 + CHUNK) == PER_SEG
 
 
 
@@ -100,9 +101,10 @@ def test_fill_twenty_times_over(tmp_path: Path) -> None:
         assert st["segments_evicted"] == 20 * SEGS - SEGS
         assert st["records_evicted"] == total - PER_SEG * SEGS
         assert st["copied_forward"] == 0
-        assert st["used_bytes"] == CAP  # every segment exactly full
+        # every segment full up to the room for its summary
+        assert st["used_bytes"] == SEGS * (4096 + PER_SEG * (4096 + CHUNK))
         assert st["free_segments"] == 0
-        # exactly the newest 60 records are there, byte-exact; nothing older
+        # exactly the newest 56 records are there, byte-exact; nothing older
         live = range(total - PER_SEG * SEGS, total)
         assert [i for i in range(total) if e.contains(key(i))] == list(live)
         assert_exact(e, live)
@@ -134,16 +136,16 @@ def test_hot_record_survives_wraps_only_with_second_chance(tmp_path: Path,
         if eviction == "second_chance":
             assert all(results)
             assert e.contains(key(hot))
-            # moved forward each time its segment is the oldest: first at filler 60 (the log
-            # holds 60 records), then every 59 fillers (its new segment holds it and 14
-            # fillers): at fillers 60, 119, ..., 1181, i.e. 20 times
+            # moved forward each time its segment is the oldest: first at filler 56 (the log
+            # holds 56 records), then every 55 fillers (its new segment holds it and 13
+            # fillers): at fillers 56, 111, ..., 1101, i.e. 20 times
             assert st["copied_forward"] == 20
-            assert st["records_evicted"] == 1150
+            assert st["records_evicted"] == 1072
         else:
-            # the hot record shares the first segment with fillers 1-14; the log holds 60
-            # records, so filler 60 evicts that segment and with it the hot record
-            assert results[:59] == [True] * 59
-            assert not any(results[59:])
+            # the hot record shares the first segment with fillers 1-13; the log holds 56
+            # records, so filler 56 evicts that segment and with it the hot record
+            assert results[:55] == [True] * 55
+            assert not any(results[55:])
             assert not e.contains(key(hot))
             assert st["copied_forward"] == 0
         assert len(e) == fillers + 1 - st["records_evicted"]

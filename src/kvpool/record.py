@@ -25,6 +25,10 @@ MAGIC = b"KVPR"
 VERSION = 1
 HEADER_SIZE = 128
 
+# seq = epoch << EPOCH_SHIFT | counter; every open of the engine starts a new epoch, so one
+# life of a segment (from its start seq to its last record) lies inside one epoch
+EPOCH_SHIFT = 40
+
 FLAG_TOMBSTONE = 1  # deletes `key`
 FLAG_NS_TOMBSTONE = 2  # invalidates every earlier record of `namespace_id`
 

@@ -1,10 +1,11 @@
 """The SSD tier: a log-structured engine of large preallocated segments (DESIGN.md section 4).
 
 Records (record.py) are appended at the head of the active segment with O_DIRECT; an in-memory
-CompactIndex maps key -> (segment, block, blocks). On start the index is rebuilt by scanning
-the self-describing records of every segment in sequence order (tombstones replayed, a torn
-tail discarded). When the log is full the oldest segment is freed whole; the segment policy
-may copy its recently read records forward first. Segment states, the log head and eviction
+CompactIndex maps key -> (segment, block, blocks). On start the index is rebuilt from each
+sealed segment's summary, or a walk of its self-describing records where it has none,
+replayed in sequence order (tombstones replayed, a torn tail discarded). When the log is
+full the oldest segment is freed whole; the segment policy may copy its recently read records
+forward first. Segment states, the log head and eviction
 live in log.py, laying records out into pwritev calls in writer.py, the scan on open in
 recovery.py; this module holds the index, the public API and the read path.
 
@@ -123,7 +124,8 @@ class SsdEngine:
 
     @property
     def max_payload(self) -> int:
-        return self.segment_size - 2 * HEADER_BLOCK
+        # segment header, record header, and the smallest summary (one block) at the end
+        return self.segment_size - 3 * BLOCK
 
     @property
     def _segments(self) -> list[Segment]:
@@ -138,12 +140,19 @@ class SsdEngine:
 
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> None:
-        """Rebuild segments and index from the media (the log starts a new seq epoch)."""
+        """Rebuild segments and index from the media (the log starts a new seq epoch):
+        records replayed in seq order, so tombstones drop exactly what was written before
+        them."""
         scan = scan_media(self._store, threads=self._io_threads)
         self._log.restore(scan)
         self._counters["torn_discarded"] += scan.torn_discarded
-        for record in scan.records:
-            self._apply(record.header, record.segment, record.offset)
+        self._index.reserve(len(self._index) + len(scan.records))
+        put, ns_index = self._index.put, self._ns_index  # the common case, without _replay
+        for r in scan.records:
+            if r.flags:
+                self._replay(r.key, r.namespace_id, r.flags, r.segment, r.block, r.blocks)
+            else:
+                put(r.key, r.segment, r.block, r.blocks, ns_index(r.namespace_id))
         if scan.records:
             log.info("ssd: recovered %d records in %d segments", len(self._index),
                      len(self._log.fifo))
@@ -159,16 +168,21 @@ class SsdEngine:
         return idx
 
     def _apply(self, h: RecordHeader, seg_no: int, offset: int) -> None:
-        """Replay one record into the index (recovery and live writes alike)."""
-        if h.flags & FLAG_NS_TOMBSTONE:
-            idx = self._ns_lookup.get(h.namespace_id)
+        """Index one record just written (lock held)."""
+        self._replay(h.key, h.namespace_id, h.flags, seg_no, offset // BLOCK,
+                     record_size(h.payload_len) // BLOCK)
+
+    def _replay(self, key: bytes, namespace_id: bytes, flags: int, seg_no: int, block: int,
+                blocks: int) -> None:
+        """Apply one record to the index (recovery and live writes alike)."""
+        if flags & FLAG_NS_TOMBSTONE:
+            idx = self._ns_lookup.get(namespace_id)
             if idx is not None:
                 self._index.remove_slots(self._index.slots_where(ns_index=idx))
-        elif h.flags & FLAG_TOMBSTONE:
-            self._index.remove(h.key)
+        elif flags & FLAG_TOMBSTONE:
+            self._index.remove(key)
         else:
-            self._index.put(h.key, seg_no, offset // BLOCK, record_size(h.payload_len) // BLOCK,
-                            self._ns_index(h.namespace_id))
+            self._index.put(key, seg_no, block, blocks, self._ns_index(namespace_id))
 
     # ------------------------------------------------------------------ writes
     def _check_open(self) -> None:
@@ -234,7 +248,7 @@ class SsdEngine:
                     if written:
                         for p in batch:
                             self._apply(p.header, p.segment, p.offset)
-                    self._log.release(seg_no)
+                    self._log.release(seg_no, () if written else batch)
             start += n
 
     def _append_marker(self, header: RecordHeader) -> None:

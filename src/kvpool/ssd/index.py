@@ -170,6 +170,12 @@ class CompactIndex:
             self._count -= int(slots.size)
             self._deleted += int(slots.size)
 
+    def reserve(self, count: int) -> None:
+        """Grow once so that ``count`` entries fit without a resize (recovery knows how
+        many records it is about to insert)."""
+        if count + self._deleted > _MAX_LOAD * self._cap:
+            self._resize(max(self._cap, int(count / _MAX_LOAD) + 1))
+
     def _resize(self, cap: int) -> None:
         live = [i for i in range(self._cap) if self._blocks[i] not in (_EMPTY, _DELETED)]
         old = (self._k0, self._k1, self._segment, self._block, self._blocks, self._ns_index,

@@ -2,7 +2,8 @@
 
 Writers reserve room at the head of the active segment under the engine lock and write outside
 it; the segment's ``inflight`` count covers those writes. When the next record does not fit,
-the active segment is sealed and a free one opened; when none is free the oldest sealed segment
+the active segment is sealed (once its in-flight writes are done, its summary is written at
+its end: summary.py) and a free one opened; when none is free the oldest sealed segment
 is freed whole (once its in-flight writes finish), its recently read records copied forward to
 the new head as the segment policy picks them.
 
@@ -12,10 +13,12 @@ Not thread-safe by itself: every method is called with the engine lock held (the
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,19 +26,21 @@ from kvpool.errors import CorruptRecordError
 from kvpool.policy.segments import SegmentPolicy
 from kvpool.record import (
     BLOCK,
+    EPOCH_SHIFT,
     HEADER_BLOCK,
     RecordHeader,
     payload_checksum,
     record_size,
     unpack_header,
 )
+from kvpool.ssd import summary
 from kvpool.ssd.directio import aligned_buffer
 from kvpool.ssd.index import CompactIndex
 from kvpool.ssd.recovery import Scan
 from kvpool.ssd.segments import SegmentHeader, SegmentStore
 from kvpool.ssd.writer import Pending
 
-EPOCH_SHIFT = 40  # seq = epoch << 40 | counter; every open starts a new epoch
+log = logging.getLogger("kvpool.ssd")
 
 FREE, ACTIVE, SEALED = 0, 1, 2
 
@@ -46,6 +51,24 @@ class Segment:
     start_seq: int = 0
     write_off: int = HEADER_BLOCK  # next free byte, relative to the segment base
     inflight: int = 0
+    # The active segment's future summary: its records so far, its namespace table, and the
+    # seqs of records whose write failed (left out of the summary).
+    entries: list[summary.SummaryEntry] = field(default_factory=list)
+    ns_table: dict[bytes, int] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
+
+    def fits(self, size: int, namespace_id: bytes, segment_size: int) -> bool:
+        """Whether a record of ``size`` bytes fits at the head with room left for the
+        summary that will list it."""
+        namespaces = len(self.ns_table) + (namespace_id not in self.ns_table)
+        return (self.write_off + size + summary.room(len(self.entries) + 1, namespaces)
+                <= segment_size)
+
+    def place(self, header: RecordHeader, offset: int, size: int) -> None:
+        ns = self.ns_table.setdefault(header.namespace_id, len(self.ns_table))
+        self.entries.append(summary.SummaryEntry(header.key, offset // BLOCK, size // BLOCK,
+                                                 header.seq, ns, header.flags))
+        self.write_off = offset + size
 
 
 class SegmentLog:
@@ -97,27 +120,32 @@ class SegmentLog:
         while self._rolling:
             self._cond.wait()
         segment_size = self._store.segment_size
-        size = record_size(pending[start].payload.nbytes)
-        if self._active < 0 or self.segments[self._active].write_off + size > segment_size:
+        first = pending[start]
+        size = record_size(first.payload.nbytes)
+        if self._active < 0 or not self.segments[self._active].fits(
+                size, first.header.namespace_id, segment_size):
             self._roll()
         seg = self.segments[self._active]
         placed = 0
         for p in pending[start:]:
             size = record_size(p.payload.nbytes)
-            if seg.write_off + size > segment_size:
+            if not seg.fits(size, p.header.namespace_id, segment_size):
                 break
             p.segment, p.offset = self._active, seg.write_off
             p.header = RecordHeader(p.header.key, p.header.namespace_id, p.header.layout_id,
                                     p.header.payload_len, self._next_seq(), p.header.checksum,
                                     p.header.flags)
-            seg.write_off += size
+            seg.place(p.header, p.offset, size)
             placed += 1
         seg.inflight += 1
         return placed
 
-    def release(self, seg_no: int) -> None:
-        """A batch reserved in ``seg_no`` is done (written or failed); lock held."""
-        self.segments[seg_no].inflight -= 1
+    def release(self, seg_no: int, failed: Sequence[Pending] = ()) -> None:
+        """A batch reserved in ``seg_no`` is done; ``failed`` lists its records if the write
+        failed (the segment's summary leaves them out). Lock held."""
+        seg = self.segments[seg_no]
+        seg.failed.update(p.header.seq for p in failed)
+        seg.inflight -= 1
         self._cond.notify_all()
 
     def wait_idle(self) -> None:
@@ -130,16 +158,12 @@ class SegmentLog:
         Called with the lock held; may wait (releasing it) for writes into the victim."""
         self._rolling = True
         try:
-            if self._active >= 0:
-                self.segments[self._active].state = SEALED
-                self.fifo.append(self._active)
-                self._active = -1
+            self._seal_active()
             forward: list[tuple[bytes, int, memoryview]] = []
             if not self.free:
                 forward = self._evict_oldest()
             seg_no = self.free.pop()
-            seg = self.segments[seg_no]
-            seg.state, seg.start_seq, seg.write_off = ACTIVE, self._next_seq(), HEADER_BLOCK
+            seg = self.segments[seg_no] = Segment(ACTIVE, self._next_seq())
             header = SegmentHeader(self._store.segment_size, seg_no, seg.start_seq).pack()
             os.pwritev(self._store.fd(seg_no), [header], self._store.base(seg_no))
             if self._durable:
@@ -149,6 +173,28 @@ class SegmentLog:
         finally:
             self._rolling = False
             self._cond.notify_all()
+
+    def _seal_active(self) -> None:
+        """Seal the active segment: once the writes reserved in it are done, write its
+        summary (synced in durable mode). A failed summary write is logged, not raised: the
+        segment is then walked on the next open."""
+        seg_no = self._active
+        if seg_no < 0:
+            return
+        seg = self.segments[seg_no]
+        while seg.inflight:
+            self._cond.wait()
+        seg.state = SEALED
+        self.fifo.append(seg_no)
+        self._active = -1
+        entries = [e for e in seg.entries if e.seq not in seg.failed]
+        try:
+            summary.write(self._store, seg_no, entries, list(seg.ns_table), seg.start_seq)
+            if self._durable:
+                self._store.sync(seg_no)
+        except OSError as exc:
+            log.warning("ssd: could not write the summary of segment %d: %s", seg_no, exc)
+        seg.entries, seg.ns_table, seg.failed = [], {}, set()
 
     def _read_block(self, segment: int, offset: int, out: memoryview) -> int:
         return os.preadv(self._store.fd(segment), [out], self._store.base(segment) + offset)
@@ -189,12 +235,15 @@ class SegmentLog:
         seg = self.segments[seg_no]
         for key, ns_index, buf in forward:
             old = unpack_header(buf)
+            if not seg.fits(len(buf), old.namespace_id, self._store.segment_size):
+                self._counters["records_evicted"] += 1  # the budget is a fraction: rare
+                continue
             new = RecordHeader(key, old.namespace_id, old.layout_id, old.payload_len,
                                self._next_seq(), old.checksum, old.flags)
             new.pack_into(buf)
             offset = seg.write_off
             os.pwritev(self._store.fd(seg_no), [buf], self._store.base(seg_no) + offset)
-            seg.write_off += len(buf)
+            seg.place(new, offset, len(buf))
             self._index.put(key, seg_no, offset // BLOCK, len(buf) // BLOCK, ns_index)
             self._counters["copied_forward"] += 1
         if forward and self._durable:

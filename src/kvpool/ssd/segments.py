@@ -61,30 +61,38 @@ def unpack_segment_header(buf: memoryview) -> SegmentHeader | None:
 class DirectoryPlan:
     """What opening a segment directory will do, worked out before anything is written."""
 
-    stale: list[Path]  # segment files of another geometry: removed
-    existing: set[int]  # segment numbers whose file is kept as is
-    missing_bytes: int  # bytes still to preallocate
+    stale: list[Path]  # beyond the capacity, misnamed, or too short for a header: removed
+    existing: set[int]  # segment numbers whose file is kept, records and all
+    oversized: list[Path]  # kept files with trailing junk: cut back to the segment size
+    missing_bytes: int  # bytes still to preallocate (new files, and short ones extended)
     reclaimable_bytes: int  # space that removing the stale files frees
 
 
 def plan_directory(path: Path, count: int, segment_size: int) -> DirectoryPlan:
-    """Survey ``path``: files ``seg-NNNNN.kvs`` of the right size and number are kept; other
-    regular files of that pattern are stale (capacity or segment size changed)."""
-    stale, existing, reclaimable = [], set(), 0
+    """Survey ``path``: files ``seg-NNNNN.kvs`` numbered below ``count`` that can hold a
+    segment header are kept, whatever their size (trailing junk is cut, a short file is
+    extended; a file of another ssd.segment_size has a header that says so, and its segment
+    is then free); other regular files of that pattern are stale."""
+    stale, oversized, existing = [], [], set()
+    missing, reclaimable = 0, 0
     for file in path.glob("seg-*.kvs"):
         st = file.lstat()
         if not stat.S_ISREG(st.st_mode):
             continue  # not ours to remove; opening it fails with a clear OSError
         digits = file.stem[4:]
         number = int(digits) if digits.isdigit() else -1
-        if 0 <= number < count and st.st_size == segment_size:
+        if 0 <= number < count and st.st_size >= BLOCK:
             existing.add(number)
+            missing += max(0, segment_size - st.st_size)
+            if st.st_size > segment_size:
+                oversized.append(file)
         else:
             stale.append(file)
             # A file with other links (or held open elsewhere) frees nothing when removed; the
             # latter cannot be seen from here, the cleanup on a mid-way ENOSPC covers it.
             reclaimable += st.st_blocks * 512 if st.st_nlink == 1 else 0
-    return DirectoryPlan(stale, existing, (count - len(existing)) * segment_size, reclaimable)
+    missing += (count - len(existing)) * segment_size
+    return DirectoryPlan(stale, existing, oversized, missing, reclaimable)
 
 
 def _size(n: int) -> str:
@@ -161,7 +169,9 @@ class SegmentStore:
                 f"{_size(free)} free{freeable}; lower ssd.capacity, or point ssd.path (or "
                 f"cache_dir) at a file system with room", str(path))
         for file in plan.stale:
-            file.unlink()  # capacity or segment size changed: that cache data is gone
+            file.unlink()  # beyond the capacity, or not even a header: re-created below
+        for file in plan.oversized:
+            os.truncate(file, self.segment_size)  # trailing junk: records kept
         modes = []
         for i in range(count):
             name = path / f"seg-{i:05d}.kvs"
