@@ -106,12 +106,15 @@ def test_capacity_over_free_space_is_refused_before_writing(small_fs: Path) -> N
 
 
 def test_running_out_of_space_mid_way_removes_what_this_open_created(small_fs: Path) -> None:
-    """A real mid-way ENOSPC: the free-space check counts the old segment files (another
-    segment size) as space their removal frees, but another process still holds them open, so
-    removing them frees nothing and posix_fallocate fails part-way through the new files."""
+    """A real mid-way ENOSPC: reopening with twice the segment size keeps the first half of
+    the old files (extended in place) and removes the second half, which the free-space check
+    counts as space their removal frees; but another process still holds them open, so
+    removing them frees nothing and posix_fallocate fails part-way through the extensions."""
     d = small_fs / "ssd"
     old_capacity = (free_bytes(small_fs) - 4 * MiB) // (2 * MiB) * (2 * MiB)
-    put_and_close(d, old_capacity, 2 * MiB, 10)
+    put_and_close(d, old_capacity, MiB, 10)
+    count = old_capacity // (2 * MiB)
+    kept = {f"seg-{i:05d}.kvs" for i in range(count)}
     holder = subprocess.Popen(
         [sys.executable, "-c", "import os, sys; fds = [os.open(p, os.O_RDONLY) for p in "
          "sys.argv[1:]]; print('held', flush=True); sys.stdin.read()",
@@ -121,12 +124,14 @@ def test_running_out_of_space_mid_way_removes_what_this_open_created(small_fs: P
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         before_fds = open_fds()
         with pytest.raises(InsufficientSpaceError) as refused:
-            SsdEngine(d, old_capacity, MiB)
+            SsdEngine(d, old_capacity, 2 * MiB)
         assert "ran out of space preallocating seg-" in str(refused.value)
         assert isinstance(refused.value.__cause__, OSError)
         assert refused.value.__cause__.errno == errno.ENOSPC
-        assert segment_files(d) == {}  # the old files went (other geometry), the new too
-        assert sorted(p.name for p in d.iterdir()) == [LOCK_NAME]
+        # the files beyond the new count went; the ones in range are kept (they existed
+        # before this open); no file was created
+        assert set(segment_files(d)) == kept
+        assert sorted(p.name for p in d.iterdir()) == sorted([*kept, LOCK_NAME])
         assert open_fds() == before_fds
     finally:
         holder.kill()
@@ -135,8 +140,8 @@ def test_running_out_of_space_mid_way_removes_what_this_open_created(small_fs: P
         holder.stdin.close()
         holder.stdout.close()
     # The held files are gone for good now; the same open fits and the lock is free.
-    engine = SsdEngine(d, old_capacity, MiB)
-    assert engine.stats()["segments"] == old_capacity // MiB
+    engine = SsdEngine(d, old_capacity, 2 * MiB)
+    assert engine.stats()["segments"] == count
     engine.close()
 
 

@@ -85,7 +85,8 @@ def plan_directory(path: Path, count: int, segment_size: int) -> DirectoryPlan:
             existing.add(number)
             missing += max(0, segment_size - st.st_size)
             if st.st_size > segment_size:
-                oversized.append(file)
+                oversized.append(file)  # cutting it frees its blocks past the segment size
+                reclaimable += max(0, st.st_blocks * 512 - segment_size)
         else:
             stale.append(file)
             # A file with other links (or held open elsewhere) frees nothing when removed; the
