@@ -414,3 +414,18 @@ class KVPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Count ``keys`` as just read, without moving bytes: the DRAM eviction policy sees a
+        hit and the SSD index marks them hot (copied forward when their segment is evicted).
+        A storage node does this for its replica copies that another replica served. Returns
+        how many a local tier holds; keys held nowhere are ignored. Same checks as lookup."""
+        self._registered(ns)
+        touched = 0
+        for key in keys:
+            self._check_key(key)
+            held = self._dram is not None and self._dram.touch(key)
+            if self._ssd is not None:
+                held = self._ssd.touch(key) or held
+            touched += held
+        return touched

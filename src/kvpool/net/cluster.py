@@ -3,7 +3,10 @@
 Placement is rendezvous hashing over the live nodes (membership from etcd or a static list,
 minus nodes this client has marked down). Every batched call becomes at most one request per
 node, sent in parallel. Writes go to all R replicas; reads go to the first replica and, for
-what it lacks or when it fails, to the next.
+what it lacks or when it fails, to the next, while the other replicas are told, off the read
+path, to count the read too (TOUCH), so their copies age like the one that served it. Prefix
+lookups ask every replica which keys it holds (EXISTS, one flag per key) and count the leading
+run of the merged answer.
 
 Failure contract (DESIGN.md section 9): a dead, slow or misbehaving node never raises to the
 caller. Its requests become misses (or are served by a replica), the node is marked down at
@@ -33,6 +36,10 @@ from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
 log = logging.getLogger("kvpool.cluster")
 #: How long a computed live-node list is reused (membership changes are seen this late).
 LIVE_CACHE_S = 0.05
+#: Threads that send replica TOUCHes, and how many per-node TOUCH batches may wait for them;
+#: beyond that a batch is dropped (counted as touch_skipped), never waited for.
+TOUCH_THREADS = 2
+TOUCH_MAX_PENDING = 64
 T = TypeVar("T")
 
 
@@ -58,6 +65,8 @@ class ClusterClient:
         self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
         self._counters: defaultdict[str, int] = defaultdict(int)
         self._live_cache: tuple[float, list[str]] | None = None
+        self._toucher = ThreadPoolExecutor(TOUCH_THREADS, thread_name_prefix="kvpool-touch")
+        self._touch_pending = 0
 
     # ------------------------------------------------------------------ nodes
     def live_nodes(self) -> list[str]:
@@ -150,8 +159,10 @@ class ClusterClient:
 
     # ------------------------------------------------------------------ reads
     def exists_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` that some live replica holds: one batched
-        EXISTS_PREFIX per node, in parallel. A failed node counts as not holding its keys."""
+        """Length of the leading run of ``keys`` that some live replica holds. Every replica
+        of a key is asked whether it holds it (one batched EXISTS per node, in parallel), so
+        a replica that lacks a key (it was down at write time, or the placement moved)
+        hides nothing another replica holds. A failed node counts as not holding its keys."""
         if not keys:
             return 0
         placement = self._placement(ns, keys)
@@ -160,11 +171,12 @@ class ClusterClient:
             for node_id in nodes:
                 per_node[node_id].append(i)
         jobs = {n: _exists_job(ns, [keys[i] for i in idx]) for n, idx in per_node.items()}
-        counts = self._fan_out(jobs)
         present = [False] * len(keys)
-        for node_id, idx in per_node.items():
-            for i in idx[:counts[node_id] or 0]:
-                present[i] = True
+        for node_id, held in self._fan_out(jobs).items():
+            if held is None:
+                continue
+            for i, hit in zip(per_node[node_id], held, strict=True):
+                present[i] = present[i] or hit
         n = 0
         while n < len(keys) and present[n]:
             n += 1
@@ -182,6 +194,7 @@ class ClusterClient:
                 raise ChunkSizeError(f"output buffer has {view.nbytes} bytes; namespace chunks "
                                      f"have {ns.chunk_bytes}")
         placement = self._placement(ns, keys)
+        self._touch_replicas(ns, keys, placement)
         found = [False] * len(keys)
         for rank in range(max((len(p) for p in placement), default=0)):
             per_node: defaultdict[str, list[int]] = defaultdict(list)
@@ -201,6 +214,39 @@ class ClusterClient:
         self._counters["get_hits"] += hits
         self._counters["get_misses"] += len(keys) - hits
         return found
+
+    def _touch_replicas(self, ns: Namespace, keys: Sequence[bytes],
+                        placement: list[list[str]]) -> None:
+        """Queue one TOUCH per node for the keys it is a second (or later) replica of, so the
+        copies a read does not fetch stay as recent as the one it does: without this the
+        unread copies are the first evicted, and a failover finds them gone. Best effort:
+        sent by TOUCH_THREADS threads, never waited for; batches beyond TOUCH_MAX_PENDING are
+        dropped (counted); a failing node is marked down as on any request."""
+        per_node: defaultdict[str, list[bytes]] = defaultdict(list)
+        for key, nodes in zip(keys, placement, strict=True):
+            for node_id in nodes[1:]:
+                per_node[node_id].append(key)
+        for node_id, batch in per_node.items():
+            with self._lock:
+                if self._touch_pending >= TOUCH_MAX_PENDING:
+                    self._counters["touch_skipped"] += 1
+                    continue
+                self._touch_pending += 1
+            try:
+                self._toucher.submit(self._touch_one, node_id, _touch_job(ns, batch))
+            except RuntimeError:  # closing: the touch is moot
+                with self._lock:
+                    self._touch_pending -= 1
+
+    def _touch_one(self, node_id: str, job: Callable[[NodeConnection], int]) -> None:
+        try:
+            if self._safe(node_id, job) is not None:
+                self._counters["touch_batches"] += 1
+        except Exception:  # a touch never surfaces errors; it only keeps copies warm
+            log.exception("TOUCH to node %s failed", node_id)
+        finally:
+            with self._lock:
+                self._touch_pending -= 1
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]]) -> int:
@@ -247,10 +293,12 @@ class ClusterClient:
         with self._lock:
             down = sorted(n for n, t in self._down_until.items() if t > time.monotonic())
         out: dict[str, Any] = dict(self._counters)
-        out.update(live_nodes=self.live_nodes(), down_nodes=down)
+        out.update(live_nodes=self.live_nodes(), down_nodes=down,
+                   touch_pending=self._touch_pending)
         return out
 
     def close(self) -> None:
+        self._toucher.shutdown(wait=True, cancel_futures=True)
         self._fanout.shutdown(wait=True)
         with self._lock:
             pools = list(self._pools.values())
@@ -260,8 +308,12 @@ class ClusterClient:
 
 
 # Jobs are built by functions so each closure captures its own batch.
-def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:
-    return lambda c: c.exists_prefix(ns, keys)
+def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], list[bool]]:
+    return lambda c: c.exists(ns, keys)
+
+
+def _touch_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:
+    return lambda c: c.touch(ns, keys)
 
 
 #: Largest payload one GET or PUT carries; bigger batches are split (nodes refuse answers

@@ -19,8 +19,15 @@ op             request                    OK response
 =============  =========================  ==========================================
 AUTH           token (UTF-8)              JSON {"node_id", "tenants"}
 PING           -                          -
-NAMESPACE      canonical namespace JSON   ns (the id the node computed)
-EXISTS_PREFIX  ns + keys                  count = leading keys present
+NAMESPACE      canonical namespace JSON   ns (the id the node computed); count = the
+                                          node's Feature bits (0 from nodes older
+                                          than EXISTS and TOUCH)
+EXISTS_PREFIX  ns + keys                  count = leading keys present (kept for old
+                                          clients; a node answers for its own copies)
+EXISTS         ns + keys                  count flag bytes in key order (1 = this node
+                                          holds the key); count = keys held
+TOUCH          ns + keys                  count = keys found; each is marked as just
+                                          read in the node's eviction policies
 GET            ns + keys                  count flag bytes (1 = found); payload = the
                                           found chunks in key order, chunk_bytes each
 PUT            ns + keys; payload =       count = chunks stored
@@ -32,6 +39,14 @@ STATS          -                          JSON of the node's counters
 
 An error response has a non-zero status and a UTF-8 message as metadata. Bytes that do not
 parse as a frame raise ProtocolError; the node then closes that one connection.
+
+Versions: EXISTS and TOUCH (Feature.EXISTS_TOUCH) were added without a version bump, because
+a node that does not know an opcode closes the connection, which a client cannot tell from a
+crash. Instead a node advertises them in its NAMESPACE answer, which every connection sends
+before its first keyed request; a client sends EXISTS / TOUCH only to nodes that advertised
+them. To an older node it sends EXISTS_PREFIX and reads the answer as "the first ``count``
+keys held, the rest unknown" (so an old node can only under-report: a miss, never a wrong
+hit) and skips TOUCH.
 """
 
 from __future__ import annotations
@@ -61,6 +76,21 @@ class Op(enum.IntEnum):
     DELETE = 7
     INVALIDATE = 8
     STATS = 9
+    EXISTS = 10
+    TOUCH = 11
+
+
+class Feature(enum.IntFlag):
+    """Bits a node sets in the count of its NAMESPACE answer."""
+
+    EXISTS_TOUCH = 1  # knows Op.EXISTS and Op.TOUCH
+
+
+#: Everything this version speaks: a node advertises it, a client masks answers with it.
+FEATURES = Feature.EXISTS_TOUCH
+#: Opcodes whose metadata is a namespace id and keys (sized by server.max_keys).
+KEYED_OPS = frozenset({Op.EXISTS_PREFIX, Op.EXISTS, Op.TOUCH, Op.GET, Op.PUT, Op.DELETE,
+                       Op.INVALIDATE})
 
 
 class Status(enum.IntEnum):
@@ -134,6 +164,18 @@ def split_keys(meta: bytes | memoryview, count: int) -> tuple[bytes, list[bytes]
     raw = bytes(meta)
     return raw[:NS_BYTES], [raw[o:o + KEY_BYTES]
                             for o in range(NS_BYTES, len(raw), KEY_BYTES)]
+
+
+def pack_flags(flags: list[bool]) -> bytes:
+    """One byte per key, in key order: 1 = held, 0 = not (GET and EXISTS answers)."""
+    return bytes(flags)
+
+
+def parse_flags(meta: bytes, count: int) -> list[bool]:
+    """Inverse of pack_flags. Raises ProtocolError unless ``meta`` is ``count`` bytes of 0/1."""
+    if len(meta) != count or meta.translate(None, b"\x00\x01"):
+        raise ProtocolError(f"flag answer of {len(meta)} bytes is not {count} bytes of 0/1")
+    return [f == 1 for f in meta]
 
 
 def error_for(status: int, message: str) -> RemoteError:

@@ -30,13 +30,16 @@ from kvpool.buffers import advance
 from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.net.protocol import (
+    FEATURES,
     HEADER_BYTES,
+    KEYED_OPS,
     NS_BYTES,
     RESPONSE_BIT,
     Header,
     Op,
     ProtocolError,
     Status,
+    pack_flags,
     split_keys,
     unpack_header,
 )
@@ -216,7 +219,7 @@ class Connection:
 
     def _check_limits(self, op: Op, req: Header) -> None:
         cfg = self.cfg
-        keyed = op in (Op.EXISTS_PREFIX, Op.GET, Op.PUT, Op.DELETE, Op.INVALIDATE)
+        keyed = op in KEYED_OPS
         max_meta = NS_BYTES + cfg.max_keys * KEY_BYTES if keyed else _SMALL_META
         if req.is_response or req.status:
             raise ProtocolError("a request must not carry a status or the response bit")
@@ -256,6 +259,12 @@ class Connection:
             scoped = [node_key(ns_id, k) for k in keys]
             if op is Op.EXISTS_PREFIX:
                 await self.reply(req, count=self.pool.lookup(ns, scoped))
+            elif op is Op.EXISTS:
+                await self._exists(req, ns, scoped)
+            elif op is Op.TOUCH:
+                touched = await self.loop.run_in_executor(self.executor, self.pool.touch, ns,
+                                                          scoped)
+                await self.reply(req, count=touched)
             elif op is Op.GET:
                 await self._get(req, ns, scoped)
             else:
@@ -298,7 +307,7 @@ class Connection:
         except ValueError as exc:
             raise _Refused(Status.TOO_LARGE, str(exc)) from None
         self.namespaces[ns.id] = ns
-        await self.reply(req, meta=ns.id)
+        await self.reply(req, count=FEATURES, meta=ns.id)
 
     def _namespace_of(self, ns_id: bytes) -> Namespace:
         ns = self.namespaces.get(ns_id)
@@ -344,6 +353,17 @@ class Connection:
                     slot.abort()  # a half-received chunk is never published
         self.node.count("put_chunks", stored)
         await self.reply(req, count=stored)
+
+    async def _exists(self, req: Header, ns: Namespace, keys: list[bytes]) -> None:
+        """One flag per key. The probes are in-memory index lookups, but the SSD index lock
+        can be held across a segment roll: while other requests are in flight they run on a
+        worker thread so the loop keeps serving; a lone request answers inline."""
+        def probe() -> list[bool]:
+            return [self.pool.contains(ns, k) for k in keys]
+
+        held = await self.loop.run_in_executor(self.executor, probe) if self.node.busy \
+            else probe()
+        await self.reply(req, count=sum(held), meta=pack_flags(held))
 
     async def _get(self, req: Header, ns: Namespace, keys: list[bytes]) -> None:
         if len(keys) * ns.chunk_bytes > self.cfg.max_inflight_bytes:

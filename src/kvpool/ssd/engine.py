@@ -378,3 +378,9 @@ class SsdEngine:
         self._io.shutdown(wait=True)
         self._pieces.shutdown(wait=True)
         self._store.close()
+
+    def touch(self, key: bytes) -> bool:
+        """Mark a chunk as read (copied forward by second_chance eviction) without reading
+        it; False if absent."""
+        self._check_open()
+        return self._locate(key) is not None
