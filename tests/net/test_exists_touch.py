@@ -44,6 +44,10 @@ def test_exists_answers_every_key_and_touch_counts_the_held_ones(node: NodeProce
     with pytest.raises(RemoteError, match="UNKNOWN_NAMESPACE"):
         conn.call(Op.EXISTS, 1, byte_namespace(CHUNK, salt="never declared").id + keys[0])
     assert conn.exists(ns, keys[:2]) == [True, False]  # the connection is still usable
+    # A GET may carry touch keys after the ones it fetches: answered for the fetched only.
+    outs = [np.zeros(CHUNK, np.uint8) for _ in range(2)]
+    assert conn.get_into(ns, keys[:2], outs, touch=keys[2:]) == [True, False]
+    assert np.array_equal(outs[0], payload_for(keys[0], CHUNK))
     conn.close()
 
 
@@ -129,7 +133,9 @@ def test_an_old_node_is_asked_exists_prefix_and_never_touch(old_node: NodeProces
     # Its leading run counts; past the first absent key it is "unknown", i.e. not held.
     assert conn.exists(ns, [*keys[:2], absent, *keys[2:]]) == [True, True] + [False] * 5
     assert conn.touch(ns, keys) == 0
-    conn.ping()  # neither op was sent: the connection is alive
+    outs = [np.zeros(CHUNK, np.uint8)]
+    assert conn.get_into(ns, keys[:1], outs, touch=keys[1:]) == [True]  # touch keys not sent
+    conn.ping()  # no new op was sent: the connection is alive
     conn.close()
     # A rolling upgrade: one old and one new node, two replicas each.
     client = ClusterClient(ClusterConfig(nodes=[old_node.address, node.address], replicas=2))

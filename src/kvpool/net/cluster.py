@@ -32,14 +32,11 @@ from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.net.connection import NodeConnection, NodePool
 from kvpool.net.placement import replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
+from kvpool.net.touch import TOUCH_BATCH_KEYS, ReplicaToucher
 
 log = logging.getLogger("kvpool.cluster")
 #: How long a computed live-node list is reused (membership changes are seen this late).
 LIVE_CACHE_S = 0.05
-#: Threads that send replica TOUCHes, and how many per-node TOUCH batches may wait for them;
-#: beyond that a batch is dropped (counted as touch_skipped), never waited for.
-TOUCH_THREADS = 2
-TOUCH_MAX_PENDING = 64
 T = TypeVar("T")
 
 
@@ -65,8 +62,8 @@ class ClusterClient:
         self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
         self._counters: defaultdict[str, int] = defaultdict(int)
         self._live_cache: tuple[float, list[str]] | None = None
-        self._toucher = ThreadPoolExecutor(TOUCH_THREADS, thread_name_prefix="kvpool-touch")
-        self._touch_pending = 0
+        self._toucher = ReplicaToucher(
+            lambda node_id, ns, keys: self._safe(node_id, _touch_job(ns, keys)) is not None)
 
     # ------------------------------------------------------------------ nodes
     def live_nodes(self) -> list[str]:
@@ -194,7 +191,7 @@ class ClusterClient:
                 raise ChunkSizeError(f"output buffer has {view.nbytes} bytes; namespace chunks "
                                      f"have {ns.chunk_bytes}")
         placement = self._placement(ns, keys)
-        self._touch_replicas(ns, keys, placement)
+        touches = _replica_touches(keys, placement)
         found = [False] * len(keys)
         for rank in range(max((len(p) for p in placement), default=0)):
             per_node: defaultdict[str, list[int]] = defaultdict(list)
@@ -203,7 +200,17 @@ class ClusterClient:
                     per_node[nodes[rank]].append(i)
             if not per_node:
                 break
-            jobs = {n: _get_job(ns, [keys[i] for i in idx], [views[i] for i in idx])
+            riding: dict[str, list[bytes]] = {}
+            if rank == 0:  # touches ride in the GETs sent anyway; the rest go on their own
+                for node_id in per_node:
+                    queued = touches.pop(node_id, [])
+                    riding[node_id] = queued[:TOUCH_BATCH_KEYS]
+                    if queued[TOUCH_BATCH_KEYS:]:
+                        touches[node_id] = queued[TOUCH_BATCH_KEYS:]
+                if touches:
+                    self._toucher.add(ns, touches)
+            jobs = {n: _get_job(ns, [keys[i] for i in idx], [views[i] for i in idx],
+                                riding.get(n, []))
                     for n, idx in per_node.items()}
             for node_id, got in self._fan_out(jobs).items():
                 if got is None:
@@ -214,39 +221,6 @@ class ClusterClient:
         self._counters["get_hits"] += hits
         self._counters["get_misses"] += len(keys) - hits
         return found
-
-    def _touch_replicas(self, ns: Namespace, keys: Sequence[bytes],
-                        placement: list[list[str]]) -> None:
-        """Queue one TOUCH per node for the keys it is a second (or later) replica of, so the
-        copies a read does not fetch stay as recent as the one it does: without this the
-        unread copies are the first evicted, and a failover finds them gone. Best effort:
-        sent by TOUCH_THREADS threads, never waited for; batches beyond TOUCH_MAX_PENDING are
-        dropped (counted); a failing node is marked down as on any request."""
-        per_node: defaultdict[str, list[bytes]] = defaultdict(list)
-        for key, nodes in zip(keys, placement, strict=True):
-            for node_id in nodes[1:]:
-                per_node[node_id].append(key)
-        for node_id, batch in per_node.items():
-            with self._lock:
-                if self._touch_pending >= TOUCH_MAX_PENDING:
-                    self._counters["touch_skipped"] += 1
-                    continue
-                self._touch_pending += 1
-            try:
-                self._toucher.submit(self._touch_one, node_id, _touch_job(ns, batch))
-            except RuntimeError:  # closing: the touch is moot
-                with self._lock:
-                    self._touch_pending -= 1
-
-    def _touch_one(self, node_id: str, job: Callable[[NodeConnection], int]) -> None:
-        try:
-            if self._safe(node_id, job) is not None:
-                self._counters["touch_batches"] += 1
-        except Exception:  # a touch never surfaces errors; it only keeps copies warm
-            log.exception("TOUCH to node %s failed", node_id)
-        finally:
-            with self._lock:
-                self._touch_pending -= 1
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]]) -> int:
@@ -293,12 +267,13 @@ class ClusterClient:
         with self._lock:
             down = sorted(n for n, t in self._down_until.items() if t > time.monotonic())
         out: dict[str, Any] = dict(self._counters)
+        out.update(self._toucher.counters)
         out.update(live_nodes=self.live_nodes(), down_nodes=down,
-                   touch_pending=self._touch_pending)
+                   touch_pending=self._toucher.pending())
         return out
 
     def close(self) -> None:
-        self._toucher.shutdown(wait=True, cancel_futures=True)
+        self._toucher.close()
         self._fanout.shutdown(wait=True)
         with self._lock:
             pools = list(self._pools.values())
@@ -310,6 +285,18 @@ class ClusterClient:
 # Jobs are built by functions so each closure captures its own batch.
 def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], list[bool]]:
     return lambda c: c.exists(ns, keys)
+
+
+def _replica_touches(keys: Sequence[bytes], placement: list[list[str]]) -> dict[str, list[bytes]]:
+    """For each node, the keys it is a second (or later) replica of. A read fetches each
+    chunk from one replica; the others are touched so their copies stay as recent as the one
+    it fetched: unread copies would be the first evicted, and a failover would find them
+    gone."""
+    per_node: defaultdict[str, list[bytes]] = defaultdict(list)
+    for key, nodes in zip(keys, placement, strict=True):
+        for node_id in nodes[1:]:
+            per_node[node_id].append(key)
+    return per_node
 
 
 def _touch_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:
@@ -326,10 +313,11 @@ def _batches(ns: Namespace, n: int) -> list[slice]:
     return [slice(i, i + step) for i in range(0, n, step)]
 
 
-def _get_job(ns: Namespace, keys: list[bytes],
-             views: list[memoryview]) -> Callable[[NodeConnection], list[bool]]:
-    return lambda c: [hit for b in _batches(ns, len(keys))
-                      for hit in c.get_into(ns, keys[b], views[b])]
+def _get_job(ns: Namespace, keys: list[bytes], views: list[memoryview],
+             touch: list[bytes]) -> Callable[[NodeConnection], list[bool]]:
+    """The first batch carries the node's touch keys."""
+    return lambda c: [hit for j, b in enumerate(_batches(ns, len(keys)))
+                      for hit in c.get_into(ns, keys[b], views[b], touch if j == 0 else ())]
 
 
 def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any]) -> Callable[[NodeConnection], int]:

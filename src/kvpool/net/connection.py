@@ -165,12 +165,16 @@ class NodeConnection:
             return 0
         return self.call(Op.TOUCH, len(keys), pack_keys(ns.id, list(keys)))[0].count
 
-    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Any],
+                 touch: Sequence[bytes] = ()) -> list[bool]:
         """Fetch chunks into ``outs`` (each exactly ns.chunk_bytes). On a miss the buffer is
-        untouched."""
+        untouched. ``touch`` keys ride along to be touched, not fetched (dropped unasked on
+        a node older than Feature.GET_TOUCH)."""
         views = [byte_view(o, writable=True) for o in outs]
         self.declare(ns)
-        req = self._request(Op.GET, len(keys), pack_keys(ns.id, list(keys)))
+        if not (self.features is not None and Feature.GET_TOUCH in self.features):
+            touch = ()
+        req = self._request(Op.GET, len(keys), pack_keys(ns.id, [*keys, *touch]))
         head, flags = self._answer(Op.GET, req)
         found = parse_flags(flags, len(keys))
         if head.payload_len != sum(found) * ns.chunk_bytes:

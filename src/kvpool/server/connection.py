@@ -40,6 +40,7 @@ from kvpool.net.protocol import (
     ProtocolError,
     Status,
     pack_flags,
+    split_get_keys,
     split_keys,
     unpack_header,
 )
@@ -251,7 +252,11 @@ class Connection:
             dropped = await self.loop.run_in_executor(self.executor, self.pool.invalidate, ns)
             await self.reply(req, count=dropped)
         else:
-            ns_id, keys = split_keys(meta, req.count)
+            touch: list[bytes] = []
+            if op is Op.GET:
+                ns_id, keys, touch = split_get_keys(meta, req.count)
+            else:
+                ns_id, keys = split_keys(meta, req.count)
             if op is Op.PUT:
                 await self._put(req, ns_id, keys)
                 return
@@ -262,10 +267,10 @@ class Connection:
             elif op is Op.EXISTS:
                 await self._exists(req, ns, scoped)
             elif op is Op.TOUCH:
-                touched = await self.loop.run_in_executor(self.executor, self.pool.touch, ns,
-                                                          scoped)
-                await self.reply(req, count=touched)
+                await self.reply(req, count=self.pool.touch(ns, scoped))
             elif op is Op.GET:
+                if touch:  # touches never wait on a tier's lock: done here, on the loop
+                    self.pool.touch(ns, [node_key(ns_id, k) for k in touch])
                 await self._get(req, ns, scoped)
             else:
                 removed = await self.loop.run_in_executor(

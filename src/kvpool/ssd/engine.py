@@ -381,6 +381,12 @@ class SsdEngine:
 
     def touch(self, key: bytes) -> bool:
         """Mark a chunk as read (copied forward by second_chance eviction) without reading
-        it; False if absent."""
-        self._check_open()
-        return self._locate(key) is not None
+        it. Never waits: False if absent, closed, or the engine's lock is held right now (a
+        segment roll holds it across its IO; the touch is skipped, touches are best
+        effort)."""
+        if self._closed or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._index.get(key, mark_hot=True) is not None
+        finally:
+            self._lock.release()
