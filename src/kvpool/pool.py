@@ -315,7 +315,7 @@ class KVPool:
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Length of the longest leading run of ``keys`` present in any tier: the local
-        tiers first, then (for the rest) one batched EXISTS_PREFIX per storage node."""
+        tiers first, then (for the rest) one batched EXISTS per storage node."""
         self._registered(ns)
         self._counters["lookups"] += 1
         n = 0
