@@ -3,10 +3,11 @@
 Placement is rendezvous hashing over the live nodes (membership from etcd or a static list,
 minus nodes this client has marked down). Every batched call becomes at most one request per
 node, sent in parallel. Writes go to all R replicas; reads go to the first replica and, for
-what it lacks or when it fails, to the next, while the other replicas are told, off the read
-path, to count the read too (TOUCH), so their copies age like the one that served it. Prefix
-lookups ask every replica which keys it holds (EXISTS, one flag per key) and count the leading
-run of the merged answer.
+what it lacks or when it fails, to the next, while the other replicas are told to count the
+read too, so their copies age like the one that served it (touch keys riding in the GET sent
+to that node anyway, else a background TOUCH; see net/touch.py). Prefix lookups ask every
+replica which keys it holds (EXISTS, one flag per key) and count the leading run of the
+merged answer.
 
 Failure contract (DESIGN.md section 9): a dead, slow or misbehaving node never raises to the
 caller. Its requests become misses (or are served by a replica), the node is marked down at
