@@ -418,10 +418,10 @@ class KVPool:
     def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Count ``keys`` as just read, without moving bytes: the DRAM eviction policy sees a
         hit and the SSD index marks them hot (copied forward when their segment is evicted).
-        A storage node does this for its replica copies that another replica served. Never
-        waits on a tier's lock (a tier busy right now skips the touch), so an event loop may
-        call it. Returns how many keys a tier touched; keys held nowhere are ignored. Same
-        checks as lookup."""
+        A storage node does this for its replica copies that another replica served, on its
+        event loop: the DRAM lock is held as briefly as by ``contains``, and the SSD index is
+        skipped (counted as ssd touch_skipped) while a segment roll holds its lock. Returns
+        how many keys a tier touched; keys held nowhere are ignored. Same checks as lookup."""
         self._registered(ns)
         touched = 0
         for key in keys:

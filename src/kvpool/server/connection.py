@@ -269,7 +269,7 @@ class Connection:
             elif op is Op.TOUCH:
                 await self.reply(req, count=self.pool.touch(ns, scoped))
             elif op is Op.GET:
-                if touch:  # touches never wait on a tier's lock: done here, on the loop
+                if touch:  # in-memory, and never waits on the SSD lock: done on the loop
                     self.pool.touch(ns, [node_key(ns_id, k) for k in touch])
                 await self._get(req, ns, scoped)
             else:

@@ -369,16 +369,12 @@ class DramTier:
 
     def touch(self, key: bytes) -> bool:
         """Count a read of a resident chunk (its eviction recency and hit count) without
-        copying it. Never waits: False if absent, closed, or the tier's lock is held right
-        now (the touch is skipped; touches are best effort)."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
+        copying it; False if absent. Holds the lock as briefly as ``contains``."""
+        with self._lock:
+            self._check_open()
             entry = self._entries.get(key)
-            if entry is None or self._closed:
+            if entry is None:
                 return False
             entry.hits += 1
             self._policy(entry.slot_size).touch(key)
             return True
-        finally:
-            self._lock.release()
