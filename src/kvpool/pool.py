@@ -420,7 +420,7 @@ class KVPool:
         hit and the SSD index marks them hot (copied forward when their segment is evicted).
         A storage node does this for its replica copies that another replica served, on its
         event loop: the DRAM lock is held as briefly as by ``contains``, and the SSD index is
-        skipped (counted as ssd touch_skipped) while a segment roll holds its lock. Returns
+        skipped (counted as ssd touch_skipped) while another thread holds its lock. Returns
         how many keys a tier touched; keys held nowhere are ignored. Same checks as lookup."""
         self._registered(ns)
         touched = 0

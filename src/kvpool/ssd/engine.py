@@ -382,7 +382,8 @@ class SsdEngine:
     def touch(self, key: bytes) -> bool:
         """Mark a chunk as read (copied forward by second_chance eviction) without reading
         it. Never waits: False if absent, closed, or the engine's lock is held right now (a
-        segment roll holds it across its IO); a skipped touch is counted (touch_skipped)."""
+        segment roll holds it across its IO); a skipped touch is counted (touch_skipped),
+        since touches are best effort."""
         if self._closed:
             return False
         if not self._lock.acquire(blocking=False):
