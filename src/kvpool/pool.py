@@ -414,7 +414,7 @@ class KVPool:
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Length of the longest leading run of ``keys`` present in any tier: the local
-        tiers first, then (for the rest) one batched EXISTS_PREFIX per storage node."""
+        tiers first, then (for the rest) one batched EXISTS per storage node."""
         self._registered(ns)
         self._check_keys(keys)
         self._counters["lookups"] += 1
@@ -517,6 +517,23 @@ class KVPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Count ``keys`` as just read, without moving bytes: the DRAM eviction policy sees a
+        hit and the SSD index marks them hot (copied forward when their segment is evicted).
+        A storage node does this for its replica copies that another replica served, on its
+        event loop: the DRAM lock is held as briefly as by ``contains``, and the SSD index is
+        skipped (counted as ssd touch_skipped) while another thread holds its lock. Returns
+        how many keys a tier touched; keys held nowhere are ignored. Same checks as lookup."""
+        self._registered(ns)
+        self._check_keys(keys)
+        touched = 0
+        for key in keys:
+            held = self._dram is not None and self._dram.touch(key)
+            if self._ssd is not None:
+                held = self._ssd.touch(key) or held
+            touched += held
+        return touched
 
 
 def _check_namespace_type(ns: object) -> None:

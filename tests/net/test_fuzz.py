@@ -38,6 +38,8 @@ def valid_frames(rng: random.Random) -> list[bytes]:
         header(rng, Op.PING, 0, 0, 0),
         header(rng, Op.NAMESPACE, 0, len(ns_json), 0) + ns_json,
         header(rng, Op.EXISTS_PREFIX, len(keys), len(meta), 0) + meta,
+        header(rng, Op.EXISTS, len(keys), len(meta), 0) + meta,
+        header(rng, Op.TOUCH, len(keys), len(meta), 0) + meta,
         header(rng, Op.GET, len(keys), len(meta), 0) + meta,
         header(rng, Op.PUT, len(keys), len(meta), len(payload)) + meta + payload,
         header(rng, Op.DELETE, len(keys), len(meta), 0) + meta,
@@ -66,7 +68,7 @@ def mutate(rng: random.Random) -> bytes:
                            rng.choice([0, 1, 2**31, 2**63])) + rng.randbytes(rng.randint(0, 64))
     if kind == 4:  # unknown opcodes, response bits, statuses
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, rng.randrange(256),
-                           rng.choice([0, 10, 999, 0x8005, 0xFFFF]), 1, 0, 0, 0)
+                           rng.choice([0, 12, 999, 0x8005, 0xFFFF]), 1, 0, 0, 0)
     if kind == 5:  # bad namespace documents
         doc = rng.choice([b"{", b"[]", b"null", json.dumps({"model": 1}).encode(),
                           canonical_json(dict(NS.canonical(), layout={"dtype": "x"})),

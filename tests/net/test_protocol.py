@@ -19,7 +19,10 @@ from kvpool.net.protocol import (
     RemoteError,
     Status,
     error_for,
+    pack_flags,
     pack_keys,
+    parse_flags,
+    split_get_keys,
     split_keys,
     unpack_header,
 )
@@ -46,6 +49,25 @@ def test_keys_round_trip_and_length_check() -> None:
         split_keys(meta, 4)
     with pytest.raises(ProtocolError):
         split_keys(meta[:-1], 3)
+
+
+def test_get_metadata_may_carry_touch_keys_after_its_count() -> None:
+    ns_id = os.urandom(16)
+    meta = pack_keys(ns_id, KEYS[:5])
+    assert split_get_keys(meta, 2) == (ns_id, KEYS[:2], KEYS[2:5])
+    assert split_get_keys(meta, 5) == (ns_id, KEYS[:5], [])
+    for bad, count in ((meta, 6), (meta[:-1], 2), (meta[:10], 0)):
+        with pytest.raises(ProtocolError):
+            split_get_keys(bad, count)
+
+
+def test_flags_round_trip_and_reject_anything_but_0_and_1() -> None:
+    flags = [True, False, False, True]
+    assert parse_flags(pack_flags(flags), 4) == flags
+    assert parse_flags(b"", 0) == []
+    for bad, count in ((b"\x01\x00", 3), (b"\x01\x02", 2), (b"\xff", 1)):
+        with pytest.raises(ProtocolError):
+            parse_flags(bad, count)
 
 
 def test_error_statuses_map_to_exceptions() -> None:

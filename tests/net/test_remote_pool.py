@@ -30,7 +30,7 @@ def test_kv_saved_on_one_pool_is_found_and_read_by_another(node: NodeProcess,
     assert a.flush(10)
     b = remote_pool(tmp_path, "b", node)
     b.register_namespace(ns)
-    assert b.lookup(ns, keys) == 6  # nothing local: one EXISTS_PREFIX to the node
+    assert b.lookup(ns, keys) == 6  # nothing local: one EXISTS to the node
     outs = [np.zeros(CHUNK, np.uint8) for _ in keys[:6]]
     assert b.get_many_into(ns, keys[:6], outs) == [True] * 6
     for key, out in zip(keys, outs, strict=False):

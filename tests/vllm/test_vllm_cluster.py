@@ -70,10 +70,10 @@ def test_node_killed_mid_run_engine_keeps_serving_identical_outputs(
         baseline: dict[str, Any], node: NodeProcess, tmp_path: Path) -> None:
     run_engine(cluster_spec(tiny_model, [P1, Q], tmp_path / "a", node))  # fills the node
     prompts = [P1, Q, P1, P2]
-    lookups_before = node_counter(node, "op_exists_prefix")
+    lookups_before = node_counter(node, "op_exists")
     engine = start_engine(cluster_spec(tiny_model, prompts, tmp_path / "b", node))
     deadline = time.monotonic() + 300
-    while node_counter(node, "op_exists_prefix") == lookups_before \
+    while node_counter(node, "op_exists") == lookups_before \
             and time.monotonic() < deadline:
         if engine.proc.poll() is not None:
             break

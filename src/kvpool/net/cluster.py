@@ -3,7 +3,11 @@
 Placement is rendezvous hashing over the live nodes (membership from etcd or a static list,
 minus nodes this client has marked down). Every batched call becomes at most one request per
 node, sent in parallel. Writes go to all R replicas; reads go to the first replica and, for
-what it lacks or when it fails, to the next.
+what it lacks or when it fails, to the next, while the other replicas are told to count the
+read too, so their copies age like the one that served it (touch keys riding in the GET sent
+to that node anyway, else a background TOUCH; see net/touch.py). Prefix lookups ask every
+replica which keys it holds (EXISTS, one flag per key) and count the leading run of the
+merged answer.
 
 Failure contract (DESIGN.md section 9): a dead, slow or misbehaving node never raises to the
 caller. Its requests become misses (or are served by a replica), the node is marked down at
@@ -29,6 +33,7 @@ from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.net.connection import NodeConnection, NodePool
 from kvpool.net.placement import replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
+from kvpool.net.touch import TOUCH_BATCH_KEYS, ReplicaToucher
 
 log = logging.getLogger("kvpool.cluster")
 #: How long a computed live-node list is reused (membership changes are seen this late).
@@ -58,6 +63,8 @@ class ClusterClient:
         self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
         self._counters: defaultdict[str, int] = defaultdict(int)
         self._live_cache: tuple[float, list[str]] | None = None
+        self._toucher = ReplicaToucher(
+            lambda node_id, ns, keys: self._safe(node_id, _touch_job(ns, keys)) is not None)
 
     # ------------------------------------------------------------------ nodes
     def live_nodes(self) -> list[str]:
@@ -150,8 +157,10 @@ class ClusterClient:
 
     # ------------------------------------------------------------------ reads
     def exists_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Length of the leading run of ``keys`` that some live replica holds: one batched
-        EXISTS_PREFIX per node, in parallel. A failed node counts as not holding its keys."""
+        """Length of the leading run of ``keys`` that some live replica holds. Every replica
+        of a key is asked whether it holds it (one batched EXISTS per node, in parallel), so
+        a replica that lacks a key (it was down at write time, or the placement moved)
+        hides nothing another replica holds. A failed node counts as not holding its keys."""
         if not keys:
             return 0
         placement = self._placement(ns, keys)
@@ -160,11 +169,12 @@ class ClusterClient:
             for node_id in nodes:
                 per_node[node_id].append(i)
         jobs = {n: _exists_job(ns, [keys[i] for i in idx]) for n, idx in per_node.items()}
-        counts = self._fan_out(jobs)
         present = [False] * len(keys)
-        for node_id, idx in per_node.items():
-            for i in idx[:counts[node_id] or 0]:
-                present[i] = True
+        for node_id, held in self._fan_out(jobs).items():
+            if held is None:
+                continue
+            for i, hit in zip(per_node[node_id], held, strict=True):
+                present[i] = present[i] or hit
         n = 0
         while n < len(keys) and present[n]:
             n += 1
@@ -182,6 +192,7 @@ class ClusterClient:
                 raise ChunkSizeError(f"output buffer has {view.nbytes} bytes; namespace chunks "
                                      f"have {ns.chunk_bytes}")
         placement = self._placement(ns, keys)
+        touches = _replica_touches(keys, placement)
         found = [False] * len(keys)
         for rank in range(max((len(p) for p in placement), default=0)):
             per_node: defaultdict[str, list[int]] = defaultdict(list)
@@ -190,7 +201,17 @@ class ClusterClient:
                     per_node[nodes[rank]].append(i)
             if not per_node:
                 break
-            jobs = {n: _get_job(ns, [keys[i] for i in idx], [views[i] for i in idx])
+            riding: dict[str, list[bytes]] = {}
+            if rank == 0:  # touches ride in the GETs sent anyway; the rest go on their own
+                for node_id in per_node:
+                    queued = touches.pop(node_id, [])
+                    riding[node_id] = queued[:TOUCH_BATCH_KEYS]
+                    if queued[TOUCH_BATCH_KEYS:]:
+                        touches[node_id] = queued[TOUCH_BATCH_KEYS:]
+                if touches:
+                    self._toucher.add(ns, touches)
+            jobs = {n: _get_job(ns, [keys[i] for i in idx], [views[i] for i in idx],
+                                riding.get(n, []))
                     for n, idx in per_node.items()}
             for node_id, got in self._fan_out(jobs).items():
                 if got is None:
@@ -247,10 +268,13 @@ class ClusterClient:
         with self._lock:
             down = sorted(n for n, t in self._down_until.items() if t > time.monotonic())
         out: dict[str, Any] = dict(self._counters)
-        out.update(live_nodes=self.live_nodes(), down_nodes=down)
+        out.update(self._toucher.counters)
+        out.update(live_nodes=self.live_nodes(), down_nodes=down,
+                   touch_pending=self._toucher.pending())
         return out
 
     def close(self) -> None:
+        self._toucher.close()
         self._fanout.shutdown(wait=True)
         with self._lock:
             pools = list(self._pools.values())
@@ -260,8 +284,24 @@ class ClusterClient:
 
 
 # Jobs are built by functions so each closure captures its own batch.
-def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:
-    return lambda c: c.exists_prefix(ns, keys)
+def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], list[bool]]:
+    return lambda c: c.exists(ns, keys)
+
+
+def _replica_touches(keys: Sequence[bytes], placement: list[list[str]]) -> dict[str, list[bytes]]:
+    """For each node, the keys it is a second (or later) replica of. A read fetches each
+    chunk from one replica; the others are touched so their copies stay as recent as the one
+    it fetched: unread copies would be the first evicted, and a failover would find them
+    gone."""
+    per_node: defaultdict[str, list[bytes]] = defaultdict(list)
+    for key, nodes in zip(keys, placement, strict=True):
+        for node_id in nodes[1:]:
+            per_node[node_id].append(key)
+    return per_node
+
+
+def _touch_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:
+    return lambda c: c.touch(ns, keys)
 
 
 #: Largest payload one GET or PUT carries; bigger batches are split (nodes refuse answers
@@ -274,10 +314,11 @@ def _batches(ns: Namespace, n: int) -> list[slice]:
     return [slice(i, i + step) for i in range(0, n, step)]
 
 
-def _get_job(ns: Namespace, keys: list[bytes],
-             views: list[memoryview]) -> Callable[[NodeConnection], list[bool]]:
-    return lambda c: [hit for b in _batches(ns, len(keys))
-                      for hit in c.get_into(ns, keys[b], views[b])]
+def _get_job(ns: Namespace, keys: list[bytes], views: list[memoryview],
+             touch: list[bytes]) -> Callable[[NodeConnection], list[bool]]:
+    """The first batch carries the node's touch keys."""
+    return lambda c: [hit for j, b in enumerate(_batches(ns, len(keys)))
+                      for hit in c.get_into(ns, keys[b], views[b], touch if j == 0 else ())]
 
 
 def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any]) -> Callable[[NodeConnection], int]:

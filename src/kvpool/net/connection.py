@@ -22,14 +22,17 @@ from kvpool.buffers import advance, byte_view
 from kvpool.cluster.membership import parse_address
 from kvpool.keys import Namespace, canonical_json
 from kvpool.net.protocol import (
+    FEATURES,
     HEADER_BYTES,
     RESPONSE_BIT,
+    Feature,
     Header,
     Op,
     ProtocolError,
     Status,
     error_for,
     pack_keys,
+    parse_flags,
     unpack_header,
 )
 
@@ -59,6 +62,8 @@ class NodeConnection:
             self._req_id = 0
             self._header = memoryview(bytearray(HEADER_BYTES))
             self.declared: set[bytes] = set()
+            #: What the node advertised in its first NAMESPACE answer (None before that).
+            self.features: Feature | None = None
             if token is not None:
                 self.call(Op.AUTH, meta=token.encode())
         except BaseException:
@@ -118,10 +123,11 @@ class NodeConnection:
         token may not use its tenant."""
         if ns.id in self.declared:
             return
-        _, answer = self.call(Op.NAMESPACE, meta=canonical_json(ns.canonical()))
+        head, answer = self.call(Op.NAMESPACE, meta=canonical_json(ns.canonical()))
         if answer != ns.id:
             raise ProtocolError(f"node {self.address} computed namespace id {answer.hex()}, "
                                 f"expected {ns.id.hex()}")
+        self.features = Feature(head.count & FEATURES)  # bits of later versions ignored
         self.declared.add(ns.id)
 
     def ping(self) -> None:
@@ -134,16 +140,44 @@ class NodeConnection:
             raise ProtocolError("EXISTS_PREFIX answered more keys than asked")
         return head.count
 
-    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+    def exists(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` this node holds, one answer per key. A node older than EXISTS
+        is asked EXISTS_PREFIX instead: its leading run counts as held, every key after it
+        as not held (it may under-report, never over-report)."""
+        self.declare(ns)
+        meta = pack_keys(ns.id, list(keys))
+        if self.features is not None and Feature.EXISTS_TOUCH in self.features:
+            head, flags = self.call(Op.EXISTS, len(keys), meta)
+            held = parse_flags(flags, len(keys))
+            if head.count != sum(held):
+                raise ProtocolError(f"malformed EXISTS answer from {self.address}")
+            return held
+        run = self.call(Op.EXISTS_PREFIX, len(keys), meta)[0].count
+        if run > len(keys):
+            raise ProtocolError("EXISTS_PREFIX answered more keys than asked")
+        return [i < run for i in range(len(keys))]
+
+    def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Ask the node to count ``keys`` as just read (eviction recency) without moving
+        bytes; returns how many it holds. 0 without asking a node older than TOUCH."""
+        self.declare(ns)
+        if self.features is None or Feature.EXISTS_TOUCH not in self.features:
+            return 0
+        return self.call(Op.TOUCH, len(keys), pack_keys(ns.id, list(keys)))[0].count
+
+    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Any],
+                 touch: Sequence[bytes] = ()) -> list[bool]:
         """Fetch chunks into ``outs`` (each exactly ns.chunk_bytes). On a miss the buffer is
-        untouched."""
+        untouched. ``touch`` keys ride along to be touched, not fetched (dropped unasked on
+        a node older than Feature.GET_TOUCH)."""
         views = [byte_view(o, writable=True) for o in outs]
         self.declare(ns)
-        req = self._request(Op.GET, len(keys), pack_keys(ns.id, list(keys)))
+        if not (self.features is not None and Feature.GET_TOUCH in self.features):
+            touch = ()
+        req = self._request(Op.GET, len(keys), pack_keys(ns.id, [*keys, *touch]))
         head, flags = self._answer(Op.GET, req)
-        found = [f == 1 for f in flags]
-        if len(flags) != len(keys) or any(f > 1 for f in flags) or \
-                head.payload_len != sum(found) * ns.chunk_bytes:
+        found = parse_flags(flags, len(keys))
+        if head.payload_len != sum(found) * ns.chunk_bytes:
             raise ProtocolError(f"malformed GET answer from {self.address}")
         for view, hit in zip(views, found, strict=True):
             if hit:

@@ -19,9 +19,16 @@ op             request                    OK response
 =============  =========================  ==========================================
 AUTH           token (UTF-8)              JSON {"node_id", "tenants"}
 PING           -                          -
-NAMESPACE      canonical namespace JSON   ns (the id the node computed)
-EXISTS_PREFIX  ns + keys                  count = leading keys present
-GET            ns + keys                  count flag bytes (1 = found); payload = the
+NAMESPACE      canonical namespace JSON   ns (the id the node computed); count = the
+                                          node's Feature bits (0 from nodes older
+                                          than EXISTS and TOUCH)
+EXISTS_PREFIX  ns + keys                  count = leading keys present (kept for old
+                                          clients; a node answers for its own copies)
+EXISTS         ns + keys                  count flag bytes in key order (1 = this node
+                                          holds the key); count = keys held
+TOUCH          ns + keys                  count = keys found; each is marked as just
+                                          read in the node's eviction policies
+GET            ns + keys [+ touch keys]   count flag bytes (1 = found); payload = the
                                           found chunks in key order, chunk_bytes each
 PUT            ns + keys; payload =       count = chunks stored
                count x chunk_bytes
@@ -30,8 +37,21 @@ INVALIDATE     ns                         count = chunks dropped
 STATS          -                          JSON of the node's counters
 =============  =========================  ==========================================
 
+GET's ``count`` is the number of keys to fetch; a client may append further keys after them
+(only to nodes with Feature.GET_TOUCH), which the node touches, as TOUCH would, without
+fetching or answering for them: a read's other-replica touches ride in the GETs it sends
+anyway.
+
 An error response has a non-zero status and a UTF-8 message as metadata. Bytes that do not
 parse as a frame raise ProtocolError; the node then closes that one connection.
+
+Versions: EXISTS, TOUCH and GET's touch keys were added without a version bump, because a
+node that does not know an opcode (or finds extra keys in a GET) closes the connection, which
+a client cannot tell from a crash. Instead a node advertises them as Feature bits in its
+NAMESPACE answer, which every connection sends before its first keyed request, and a client
+uses them only on nodes that advertised them. To an older node it sends EXISTS_PREFIX and
+reads the answer as "the first ``count`` keys held, the rest unknown" (so an old node can
+only under-report: a miss, never a wrong hit), and sends no touches.
 """
 
 from __future__ import annotations
@@ -61,6 +81,22 @@ class Op(enum.IntEnum):
     DELETE = 7
     INVALIDATE = 8
     STATS = 9
+    EXISTS = 10
+    TOUCH = 11
+
+
+class Feature(enum.IntFlag):
+    """Bits a node sets in the count of its NAMESPACE answer."""
+
+    EXISTS_TOUCH = 1  # knows Op.EXISTS and Op.TOUCH
+    GET_TOUCH = 2  # touches the keys a GET carries after its ``count`` keys
+
+
+#: Everything this version speaks: a node advertises it, a client masks answers with it.
+FEATURES = Feature.EXISTS_TOUCH | Feature.GET_TOUCH
+#: Opcodes whose metadata is a namespace id and keys (sized by server.max_keys).
+KEYED_OPS = frozenset({Op.EXISTS_PREFIX, Op.EXISTS, Op.TOUCH, Op.GET, Op.PUT, Op.DELETE,
+                       Op.INVALIDATE})
 
 
 class Status(enum.IntEnum):
@@ -134,6 +170,30 @@ def split_keys(meta: bytes | memoryview, count: int) -> tuple[bytes, list[bytes]
     raw = bytes(meta)
     return raw[:NS_BYTES], [raw[o:o + KEY_BYTES]
                             for o in range(NS_BYTES, len(raw), KEY_BYTES)]
+
+
+def split_get_keys(meta: bytes | memoryview,
+                   count: int) -> tuple[bytes, list[bytes], list[bytes]]:
+    """A GET's metadata: namespace id, the ``count`` keys to fetch, the keys to touch after
+    them. Raises ProtocolError unless it holds a namespace id and at least ``count`` keys."""
+    extra = (len(meta) - NS_BYTES) // KEY_BYTES - count
+    if extra < 0 or (len(meta) - NS_BYTES) % KEY_BYTES:
+        raise ProtocolError(f"metadata of {len(meta)} bytes does not hold a namespace id and "
+                            f"{count} keys")
+    ns_id, keys = split_keys(meta, count + extra)
+    return ns_id, keys[:count], keys[count:]
+
+
+def pack_flags(flags: list[bool]) -> bytes:
+    """One byte per key, in key order: 1 = held, 0 = not (GET and EXISTS answers)."""
+    return bytes(flags)
+
+
+def parse_flags(meta: bytes, count: int) -> list[bool]:
+    """Inverse of pack_flags. Raises ProtocolError unless ``meta`` is ``count`` bytes of 0/1."""
+    if len(meta) != count or meta.translate(None, b"\x00\x01"):
+        raise ProtocolError(f"flag answer of {len(meta)} bytes is not {count} bytes of 0/1")
+    return [f == 1 for f in meta]
 
 
 def error_for(status: int, message: str) -> RemoteError:

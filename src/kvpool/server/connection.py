@@ -35,13 +35,17 @@ from kvpool.buffers import advance
 from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.net.protocol import (
+    FEATURES,
     HEADER_BYTES,
+    KEYED_OPS,
     NS_BYTES,
     RESPONSE_BIT,
     Header,
     Op,
     ProtocolError,
     Status,
+    pack_flags,
+    split_get_keys,
     split_keys,
     unpack_header,
 )
@@ -245,7 +249,7 @@ class Connection:
 
     def _check_limits(self, op: Op, req: Header) -> None:
         cfg = self.cfg
-        keyed = op in (Op.EXISTS_PREFIX, Op.GET, Op.PUT, Op.DELETE, Op.INVALIDATE)
+        keyed = op in KEYED_OPS
         max_meta = NS_BYTES + cfg.max_keys * KEY_BYTES if keyed else _SMALL_META
         if req.is_response or req.status:
             raise ProtocolError("a request must not carry a status or the response bit")
@@ -277,7 +281,11 @@ class Connection:
             dropped = await self.loop.run_in_executor(self.executor, self.pool.invalidate, ns)
             await self.reply(req, count=dropped)
         else:
-            ns_id, keys = split_keys(meta, req.count)
+            touch: list[bytes] = []
+            if op is Op.GET:
+                ns_id, keys, touch = split_get_keys(meta, req.count)
+            else:
+                ns_id, keys = split_keys(meta, req.count)
             if op is Op.PUT:
                 await self._put(req, ns_id, keys)
                 return
@@ -285,7 +293,13 @@ class Connection:
             scoped = [node_key(ns_id, k) for k in keys]
             if op is Op.EXISTS_PREFIX:
                 await self.reply(req, count=self.pool.lookup(ns, scoped))
+            elif op is Op.EXISTS:
+                await self._exists(req, ns, scoped)
+            elif op is Op.TOUCH:
+                await self.reply(req, count=self.pool.touch(ns, scoped))
             elif op is Op.GET:
+                if touch:  # in-memory, and never waits on the SSD lock: done on the loop
+                    self.pool.touch(ns, [node_key(ns_id, k) for k in touch])
                 await self._get(req, ns, scoped)
             else:
                 removed = await self.loop.run_in_executor(
@@ -343,7 +357,7 @@ class Connection:
                 raise _Refused(Status.TOO_LARGE, str(exc)) from None
             self.namespaces[ns.id] = ns
             self.node.count_tenant(ns.tenant, "namespaces_declared")
-        await self.reply(req, meta=ns.id)
+        await self.reply(req, count=FEATURES, meta=ns.id)
 
     def _namespace_of(self, ns_id: bytes) -> Namespace:
         ns = self.namespaces.get(ns_id)
@@ -401,6 +415,17 @@ class Connection:
         self.node.count_tenant(ns.tenant, "put_chunks", stored)
         self.node.count_tenant(ns.tenant, "put_bytes", stored * ns.chunk_bytes)
         await self.reply(req, count=stored)
+
+    async def _exists(self, req: Header, ns: Namespace, keys: list[bytes]) -> None:
+        """One flag per key. The probes are in-memory index lookups, but the SSD index lock
+        can be held across a segment roll: while other requests are in flight they run on a
+        worker thread so the loop keeps serving; a lone request answers inline."""
+        def probe() -> list[bool]:
+            return [self.pool.contains(ns, k) for k in keys]
+
+        held = await self.loop.run_in_executor(self.executor, probe) if self.node.busy \
+            else probe()
+        await self.reply(req, count=sum(held), meta=pack_flags(held))
 
     async def _get(self, req: Header, ns: Namespace, keys: list[bytes]) -> None:
         if len(keys) * ns.chunk_bytes > self.cfg.max_inflight_bytes:

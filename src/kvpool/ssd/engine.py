@@ -422,3 +422,18 @@ class SsdEngine:
         self._io.shutdown(wait=True)
         self._pieces.shutdown(wait=True)
         self._store.close()
+
+    def touch(self, key: bytes) -> bool:
+        """Mark a chunk as read (copied forward by second_chance eviction) without reading
+        it. Never waits: False if absent, closed, or the engine's lock is held right now (a
+        segment roll holds it across its IO); a skipped touch is counted (touch_skipped),
+        since touches are best effort."""
+        if self._closed:
+            return False
+        if not self._lock.acquire(blocking=False):
+            self._counters["touch_skipped"] = self._counters.get("touch_skipped", 0) + 1
+            return False
+        try:
+            return self._index.get(key, mark_hot=True) is not None
+        finally:
+            self._lock.release()

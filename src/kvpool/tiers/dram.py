@@ -372,3 +372,15 @@ class DramTier:
             self._entries.clear()
             self._cond.notify_all()
         self._arena.close()
+
+    def touch(self, key: bytes) -> bool:
+        """Count a read of a resident chunk (its eviction recency and hit count) without
+        copying it; False if absent. Holds the lock as briefly as ``contains``."""
+        with self._lock:
+            self._check_open()
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.hits += 1
+            self._policy(entry.slot_size).touch(key)
+            return True

@@ -1,0 +1,151 @@
+"""EXISTS (one answer per key) and TOUCH (count a read without moving bytes) against real
+nodes, the pool-side effect of a touch on DRAM and SSD eviction, and a node of the previous
+release (started from the sources of OLD_COMMIT) that knows neither op."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvtest import byte_namespace, payload_for, small_config
+from node_process import NodeProcess
+
+from kvpool.config import ClusterConfig
+from kvpool.keys import Namespace
+from kvpool.net.cluster import ClusterClient
+from kvpool.net.connection import NodeConnection
+from kvpool.net.protocol import FEATURES, Feature, Op, RemoteError
+from kvpool.pool import KVPool
+
+CHUNK = 64 * 1024
+#: The last commit before EXISTS and TOUCH: its node closes the connection on either op.
+OLD_COMMIT = "177a4aa9492b8b19592f20524a330f0c3c5d5bf0"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_exists_answers_every_key_and_touch_counts_the_held_ones(node: NodeProcess) -> None:
+    ns = byte_namespace(CHUNK, salt="exists")
+    keys = [os.urandom(16) for _ in range(8)]
+    conn = NodeConnection(node.address)
+    assert conn.put(ns, keys[::2], [payload_for(k, CHUNK) for k in keys[::2]]) == 4
+    assert conn.features == FEATURES
+    assert conn.exists(ns, keys) == [True, False] * 4
+    assert conn.exists_prefix(ns, keys) == 1  # the old op still answers its leading run
+    assert conn.exists(ns, []) == []
+    assert conn.touch(ns, keys) == 4
+    with pytest.raises(RemoteError, match="UNKNOWN_NAMESPACE"):
+        conn.call(Op.TOUCH, 1, byte_namespace(CHUNK, salt="never declared").id + keys[0])
+    with pytest.raises(RemoteError, match="UNKNOWN_NAMESPACE"):
+        conn.call(Op.EXISTS, 1, byte_namespace(CHUNK, salt="never declared").id + keys[0])
+    assert conn.exists(ns, keys[:2]) == [True, False]  # the connection is still usable
+    # A GET may carry touch keys after the ones it fetches: answered for the fetched only.
+    outs = [np.zeros(CHUNK, np.uint8) for _ in range(2)]
+    assert conn.get_into(ns, keys[:2], outs, touch=keys[2:]) == [True, False]
+    assert np.array_equal(outs[0], payload_for(keys[0], CHUNK))
+    conn.close()
+
+
+def chunk_in_dram(pool: KVPool, ns: Namespace, key: bytes) -> bool:
+    view = pool.pin_many(ns, [key])[0]
+    if view is None:
+        return False
+    view.release()
+    return True
+
+
+def test_a_touched_chunk_outlives_untouched_ones_in_dram(tmp_path: Path) -> None:
+    """16 DRAM slots, S3-FIFO: chunks written once and never read leave first; a touch
+    counts as a read, so touched chunks stay while 40 new ones pass through."""
+    pool = KVPool(small_config(tmp_path, ssd={"enabled": False}))
+    ns = byte_namespace(CHUNK)
+    pool.register_namespace(ns)
+    touched = [os.urandom(16) for _ in range(4)]
+    untouched = [os.urandom(16) for _ in range(4)]
+    for key in touched + untouched:
+        assert pool.put(ns, key, payload_for(key, CHUNK))
+    assert pool.touch(ns, [*touched, os.urandom(16)]) == 4
+    for _ in range(40):
+        key = os.urandom(16)
+        pool.put(ns, key, payload_for(key, CHUNK))
+        pool.touch(ns, touched)  # the replica of a chunk that another node keeps serving
+    assert [chunk_in_dram(pool, ns, k) for k in touched] == [True] * 4
+    assert [chunk_in_dram(pool, ns, k) for k in untouched] == [False] * 4
+    pool.close()
+
+
+def test_a_touched_chunk_is_copied_forward_on_ssd(tmp_path: Path) -> None:
+    """SSD only, 4 segments of 1 MiB, second_chance: 8 MiB of churn evicts every segment
+    more than once; touched chunks are copied forward, untouched ones are gone."""
+    pool = KVPool(small_config(tmp_path, dram={"capacity": 0}))
+    ns = byte_namespace(CHUNK)
+    pool.register_namespace(ns)
+    touched = [os.urandom(16) for _ in range(2)]
+    untouched = [os.urandom(16) for _ in range(2)]
+    for key in touched + untouched:
+        assert pool.put(ns, key, payload_for(key, CHUNK))
+    for _ in range(8):
+        assert pool.flush(10)
+        assert pool.touch(ns, touched) == 2
+        for _ in range(15):  # about one segment
+            key = os.urandom(16)
+            pool.put(ns, key, payload_for(key, CHUNK))
+    assert pool.flush(10)
+    assert pool.stats()["ssd"]["segments_evicted"] >= 4
+    out = np.zeros(CHUNK, np.uint8)
+    for key in touched:
+        assert pool.get_into(ns, key, out) and np.array_equal(out, payload_for(key, CHUNK))
+    assert [pool.get_into(ns, k, out) for k in untouched] == [False, False]
+    pool.close()
+
+
+@pytest.fixture
+def old_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NodeProcess]:
+    """A real node of the previous release: OLD_COMMIT's sources, first on its PYTHONPATH."""
+    try:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", OLD_COMMIT, "src"],
+                                 capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"needs the repository's git history ({exc})")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tmp_path / "old", filter="data")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "old" / "src"))
+    proc = NodeProcess(tmp_path / "old-node")
+    proc.start()
+    monkeypatch.undo()
+    yield proc
+    proc.stop()
+
+
+def test_an_old_node_is_asked_exists_prefix_and_never_touch(old_node: NodeProcess,
+                                                            node: NodeProcess) -> None:
+    ns = byte_namespace(CHUNK, salt="mixed")
+    keys = [os.urandom(16) for _ in range(6)]
+    absent = os.urandom(16)
+    conn = NodeConnection(old_node.address)
+    assert conn.put(ns, keys, [payload_for(k, CHUNK) for k in keys]) == 6
+    assert conn.features == Feature(0)  # really the old node
+    # Its leading run counts; past the first absent key it is "unknown", i.e. not held.
+    assert conn.exists(ns, [*keys[:2], absent, *keys[2:]]) == [True, True] + [False] * 5
+    assert conn.touch(ns, keys) == 0
+    outs = [np.zeros(CHUNK, np.uint8)]
+    assert conn.get_into(ns, keys[:1], outs, touch=keys[1:]) == [True]  # touch keys not sent
+    conn.ping()  # no new op was sent: the connection is alive
+    conn.close()
+    # A rolling upgrade: one old and one new node, two replicas each.
+    client = ClusterClient(ClusterConfig(nodes=[old_node.address, node.address], replicas=2))
+    client.register_namespace(ns)
+    more = [os.urandom(16) for _ in range(20)]
+    assert client.put_many([(k, ns, payload_for(k, CHUNK)) for k in more]) == 20
+    assert client.exists_prefix(ns, more) == 20
+    assert client.exists_prefix(ns, [*more[:5], absent, *more[5:]]) == 5
+    outs = [np.zeros(CHUNK, np.uint8) for _ in more]
+    assert client.get_many_into(ns, more, outs) == [True] * 20
+    stats = client.stats()
+    assert stats.get("node_failures", 0) == 0 and len(stats["live_nodes"]) == 2
+    client.close()
