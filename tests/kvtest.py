@@ -67,3 +67,48 @@ def read_acks(ack: Path) -> list[bytes]:
     if cut != len(raw):
         os.truncate(ack, cut)
     return [bytes.fromhex(line.decode()) for line in raw[:cut].splitlines()]
+
+
+def run_and_kill(argv: list[str], log: Path, delay: float, wait_ready: bool = True) -> None:
+    """Run a child Python process (``argv`` after the interpreter) that never exits on its
+    own and SIGKILL it ``delay`` seconds after it printed ``ready`` (or, with ``wait_ready``
+    False, after it was started: anywhere in its start-up). Its stderr goes to ``log``.
+    Fails the test if the child did not start or exited by itself."""
+    import contextlib
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    with log.open("ab") as err:
+        proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=err,
+                                env=child_env())
+    try:
+        assert proc.stdout is not None
+        if wait_ready:
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            line = proc.stdout.readline() if ready else b""
+            assert line == b"ready\n", f"child did not start: {log.read_text()[-2000:]}"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=delay)
+        proc.send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert rc == -signal.SIGKILL, f"child exited with {rc}: {log.read_text()[-2000:]}"
+
+
+def load_script(path: Path) -> Any:
+    """Import a test's child script (which is also run as ``python path``) as a module, so
+    the parent shares its key and payload functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,19 +5,12 @@ too), real files."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import random
-import select
-import signal
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
-from kvtest import child_env, payload_for, read_acks
+from kvtest import load_script, payload_for, read_acks, run_and_kill
 
 from kvpool import KVPool
 
@@ -26,45 +19,18 @@ WRITER = HERE / "durable_pool_writer.py"
 CYCLES = 50
 
 
-def _load_writer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("durable_pool_writer", WRITER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-dw = _load_writer()
+dw = load_script(WRITER)
 
 
 def _run_and_kill(cache_dir: Path, ack: Path, *, dram: bool, start: int, salt: str,
                   rng: random.Random, log: Path) -> None:
     """Start a writer and SIGKILL it: mostly while it writes, sometimes before it is ready
     (during imports, the lock, recovery)."""
-    args = [str(cache_dir), "1" if dram else "0", str(start), str(ack), salt]
-    with log.open("ab") as err:
-        proc = subprocess.Popen([sys.executable, str(WRITER), *args], stdout=subprocess.PIPE,
-                                stderr=err, env=child_env())
-    try:
-        assert proc.stdout is not None
-        if rng.random() < 0.2:
-            delay = rng.uniform(0.05, 0.8)  # anywhere in start-up
-        else:
-            ready, _, _ = select.select([proc.stdout], [], [], 60)
-            line = proc.stdout.readline() if ready else b""
-            assert line == b"ready\n", f"child did not start: {log.read_text()[-2000:]}"
-            delay = rng.uniform(0.0, 0.5)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=delay)
-        proc.send_signal(signal.SIGKILL)
-        rc = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
-    assert rc == -signal.SIGKILL, f"child exited with {rc}: {log.read_text()[-2000:]}"
+    args = [str(WRITER), str(cache_dir), "1" if dram else "0", str(start), str(ack), salt]
+    if rng.random() < 0.2:
+        run_and_kill(args, log, rng.uniform(0.05, 0.8), wait_ready=False)
+    else:
+        run_and_kill(args, log, rng.uniform(0.0, 0.5))
 
 
 def _lost(pool: KVPool, keys: list[bytes]) -> list[bytes]:

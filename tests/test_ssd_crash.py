@@ -9,21 +9,13 @@ acknowledgement order (the log is freed oldest segment first), ending with the l
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 import random
-import select
-import signal
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from kvtest import load_script, read_acks, run_and_kill
 
-import kvpool
 from kvpool.ssd.engine import SsdEngine
 
 HERE = Path(__file__).resolve().parent
@@ -31,62 +23,16 @@ WRITER = HERE / "crash_writer.py"
 MiB = 1 << 20
 
 
-def _load_writer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("crash_writer", WRITER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cw = _load_writer()
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = str(Path(kvpool.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def _read_acks(ack: Path) -> list[bytes]:
-    """Complete lines of the acknowledgement log; a torn last line is cut off the file (that
-    put was acknowledged to nobody) so the next child appends after a clean line."""
-    if not ack.exists():
-        return []
-    raw = ack.read_bytes()
-    cut = raw.rfind(b"\n") + 1
-    if cut != len(raw):
-        os.truncate(ack, cut)
-    return [bytes.fromhex(line.decode()) for line in raw[:cut].splitlines()]
+cw = load_script(WRITER)
 
 
 def _run_and_kill(directory: Path, ack: Path, *, durability: str, capacity: int,
                   segment_size: int, eviction: str, start: int, salt: str, max_payload: int,
                   delay: float, reads: bool, deletes: bool, pause: float, log: Path) -> None:
-    args = [str(directory), durability, str(capacity), str(segment_size), eviction, str(start),
-            str(ack), salt, str(max_payload), "1" if reads else "0", "1" if deletes else "0",
-            str(pause)]
-    with log.open("ab") as err:
-        proc = subprocess.Popen([sys.executable, str(WRITER), *args], stdout=subprocess.PIPE,
-                                stderr=err, env=_child_env())
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else b""
-        assert line == b"ready\n", f"child did not start: {log.read_text()[-2000:]}"
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=delay)
-        proc.send_signal(signal.SIGKILL)
-        rc = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
     # The child never exits on its own: 3 = it read wrong bytes, 4 = a put reported failure.
-    assert rc == -signal.SIGKILL, f"child exited with {rc}: {log.read_text()[-2000:]}"
+    run_and_kill([str(WRITER), str(directory), durability, str(capacity), str(segment_size),
+                  eviction, str(start), str(ack), salt, str(max_payload),
+                  "1" if reads else "0", "1" if deletes else "0", str(pause)], log, delay)
 
 
 def _check_reads(engine: SsdEngine, keys: list[bytes], max_payload: int) -> set[bytes]:
@@ -116,12 +62,12 @@ def _torture(tmp_path: Path, *, durability: str, capacity: int, segment_size: in
     salt = f"crash-{durability}-{eviction}-{seed}"
     rng = random.Random(seed)
     for _cycle in range(cycles):
-        start = len(_read_acks(ack))
+        start = len(read_acks(ack))
         _run_and_kill(directory, ack, durability=durability, capacity=capacity,
                       segment_size=segment_size, eviction=eviction, start=start, salt=salt,
                       max_payload=max_payload, delay=rng.uniform(0.05, 0.4), reads=reads,
                       deletes=deletes, pause=pause, log=log)
-        acked = _read_acks(ack)
+        acked = read_acks(ack)
         # Every key any child may have written: the acknowledged ones plus an unacknowledged
         # batch (at most MAX_BATCH) beyond them.
         candidates = [cw.key_of(salt, i) for i in range(len(acked) + cw.MAX_BATCH)]
@@ -136,7 +82,7 @@ def _torture(tmp_path: Path, *, durability: str, capacity: int, segment_size: in
             check(engine, acked, hits, stats)  # type: ignore[operator]
         finally:
             engine.close()
-    return _read_acks(ack)
+    return read_acks(ack)
 
 
 @pytest.mark.slow

@@ -15,7 +15,5 @@ TOKENS = [{"token": "token-acme-123", "tenants": ["acme"]},
 @pytest.fixture(scope="module")
 def auth_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """One node requiring tokens (see TOKENS), shared by a module's tests."""
-    node = NodeProcess(tmp_path_factory.mktemp("node"), server={"auth": TOKENS})
-    node.start()
-    yield node
-    node.stop()
+    with NodeProcess(tmp_path_factory.mktemp("node"), server={"auth": TOKENS}) as node:
+        yield node

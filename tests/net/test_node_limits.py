@@ -45,20 +45,16 @@ def server_stats(node: NodeProcess, token: str | None = None) -> dict[str, Any]:
 @pytest.fixture
 def limited_node(tmp_path: Path) -> Iterator[NodeProcess]:
     """Auth on (TOKENS and an admin token), at most 500 namespaces."""
-    node = NodeProcess(tmp_path / "n", server={"auth": TOKENS, "admin_token": ADMIN,
-                                               "max_namespaces": 500})
-    node.start()
-    yield node
-    node.stop()
+    with NodeProcess(tmp_path / "n", server={"auth": TOKENS, "admin_token": ADMIN,
+                                             "max_namespaces": 500}) as node:
+        yield node
 
 
 @pytest.fixture
 def auth_only_node(tmp_path: Path) -> Iterator[NodeProcess]:
     """Auth on, every limit at its default (server.auth_timeout_s: 5 s)."""
-    node = NodeProcess(tmp_path / "n", server={"auth": TOKENS})
-    node.start()
-    yield node
-    node.stop()
+    with NodeProcess(tmp_path / "n", server={"auth": TOKENS}) as node:
+        yield node
 
 
 def test_a_node_out_of_descriptors_serves_again_once_they_are_freed(tmp_path: Path) -> None:

@@ -24,18 +24,14 @@ NODE_WIDE = {"dram", "ssd", "pool", "write_behind"}
 
 @pytest.fixture
 def admin_node(tmp_path: Path) -> Iterator[NodeProcess]:
-    node = NodeProcess(tmp_path / "n", server={"auth": TOKENS, "admin_token": ADMIN})
-    node.start()
-    yield node
-    node.stop()
+    with NodeProcess(tmp_path / "n", server={"auth": TOKENS, "admin_token": ADMIN}) as node:
+        yield node
 
 
 @pytest.fixture
 def tenant_node(tmp_path: Path) -> Iterator[NodeProcess]:
-    node = NodeProcess(tmp_path / "n", server={"auth": TOKENS})
-    node.start()
-    yield node
-    node.stop()
+    with NodeProcess(tmp_path / "n", server={"auth": TOKENS}) as node:
+        yield node
 
 
 def put_and_get(conn: NodeConnection, salt: str, n: int) -> None:
