@@ -79,7 +79,8 @@ def test_lookup_over_the_socket_and_a_dead_worker_is_a_miss() -> None:
 
 
 def test_settings_validate_chunk_size_and_keys() -> None:
-    s = parse_settings({"chunk_tokens": 256, "config": {"dram": {"capacity": "1MiB"}}}, 128)
+    s = parse_settings({"chunk_tokens": 256,
+                        "config": {"dram": {"capacity": "1MiB", "slab_size": "256KiB"}}}, 128)
     assert s.blocks_per_chunk == 2
     assert s.pool_config().dram.capacity == 1 << 20
     assert parse_settings(None, 16).chunk_tokens == 16
