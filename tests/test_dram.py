@@ -95,7 +95,7 @@ def test_many_puts_stay_within_capacity_and_hook_sees_true_bytes() -> None:
     out = np.zeros(CHUNK, np.uint8)
     survivors = [i for i in range(100) if tier.get_into(k(i), out)]
     assert len(survivors) == 8
-    assert tier.longest_prefix([k(i) for i in survivors] + [k(0)]) == 8
+    assert tier.contains_many([k(i) for i in survivors] + [k(0)], ns.id) == [True] * 8 + [False]
 
 
 def test_pinned_view_blocks_eviction_and_survives_delete() -> None:
@@ -156,7 +156,7 @@ def test_an_emptied_size_class_gives_its_slabs_to_a_growing_one() -> None:
     for i in range(8):  # four slabs' worth of big chunks: all four must be usable
         assert tier.put(k(100 + i), big, payload_for(k(100 + i), 2 * CHUNK))
     assert rec.evicted == []  # nothing was evicted: idle slabs moved instead
-    assert tier.longest_prefix([k(100 + i) for i in range(8)]) == 8
+    assert tier.contains_many([k(100 + i) for i in range(8)], big.id) == [True] * 8
 
 
 def test_invalidate_namespace() -> None:
@@ -166,7 +166,8 @@ def test_invalidate_namespace() -> None:
         tier.put(k(i), a, payload_for(k(i)))
         tier.put(k(10 + i), b, payload_for(k(10 + i)))
     assert tier.invalidate(a.id) == 3
-    assert tier.longest_prefix([k(0)]) == 0 and tier.contains(k(10))
+    assert tier.contains_many([k(0), k(10)], a.id) == [False, False]
+    assert tier.contains_many([k(0), k(10)], b.id) == [False, True] and tier.contains(k(10))
 
 
 def test_threads_never_read_wrong_bytes() -> None:

@@ -48,7 +48,8 @@ def test_get_many_into_runs_on_the_pool(tmp_path: Path) -> None:
     assert eng.get_many_into(keys, outs) == [True] * 30 + [False] * 10
     assert all(np.array_equal(o, payload_for(x)) for o, x in zip(outs[:30], keys[:30],
                                                                  strict=True))
-    assert eng.longest_prefix(keys) == 30
+    assert eng.contains_many(keys, ns.id) == [True] * 30 + [False] * 10
+    assert eng.contains_many(keys[:2], byte_namespace(model="other").id) == [False, False]
     eng.close()
 
 

@@ -2,8 +2,11 @@
 
 from kvpool.config import Config, load_config
 from kvpool.errors import (
+    ArgumentError,
+    CacheDirLockedError,
     ChunkSizeError,
     ConfigError,
+    InsufficientSpaceError,
     KVPoolError,
     PoolClosedError,
     UnknownNamespaceError,
@@ -14,9 +17,12 @@ from kvpool.pool import KVPool
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "CacheDirLockedError",
     "ChunkSizeError",
     "Config",
     "ConfigError",
+    "InsufficientSpaceError",
     "KVLayout",
     "KVPool",
     "KVPoolError",

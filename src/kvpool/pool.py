@@ -406,23 +406,46 @@ class KVPool:
         self._counters["dram_hits"] += sum(v is not None for v in views)
         return views
 
-    def _present(self, ns_id: bytes, key: bytes) -> bool:
-        return ((self._dram is not None and self._dram.contains(key, ns_id))
-                or (self._wb is not None and self._wb.contains(key, ns_id))
-                or (self._ssd is not None and self._ssd.contains(key, ns_id))
-                or (self._remote is not None and self._remote.staged(key, ns_id)))
+    def _held_locally(self, ns_id: bytes, keys: Sequence[bytes],
+                      stop_at_miss: bool) -> list[bool]:
+        """Per key: does a local tier (or the cluster's save queue) hold it? Each tier is
+        asked once for the keys the faster ones lack. ``stop_at_miss``: only the leading run
+        matters (a lookup), so the answer is cut at the first key no tier holds. Probing a
+        batch costs one lock per tier instead of one per key and tier."""
+        held = [False] * len(keys)
+        todo = list(range(len(keys)))
+        probes: list[Callable[[Sequence[bytes], bytes], list[bool]]] = []
+        if self._dram is not None:
+            probes.append(self._dram.contains_many)
+        if self._wb is not None:
+            probes.append(self._wb.contains_many)
+        if self._ssd is not None:
+            probes.append(self._ssd.contains_many)
+        if self._remote is not None:
+            probes.append(self._remote.staged_many)
+        for probe in probes:
+            if not todo:
+                break
+            flags = probe([keys[i] for i in todo], ns_id)
+            missing = []
+            for i, flag in zip(todo, flags, strict=True):
+                if flag:
+                    held[i] = True
+                else:
+                    missing.append(i)
+            todo = missing
+        if stop_at_miss and todo:
+            return held[:todo[0]]
+        return held
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Length of the longest leading run of ``keys`` present in any tier: the local
-        tiers first, then (for the rest) one batched EXISTS per storage node."""
+        tiers first (each asked once, for what the faster ones lack), then, for the rest,
+        one batched EXISTS per storage node."""
         self._registered(ns)
         self._check_keys(keys)
         self._counters["lookups"] += 1
-        n = 0
-        for key in keys:
-            if not self._present(ns.id, key):
-                break
-            n += 1
+        n = len(self._held_locally(ns.id, keys, stop_at_miss=True))
         if n < len(keys) and self._remote is not None:
             n += self._remote.lookup(ns, keys[n:])
         self._counters["lookup_hit_chunks"] += n
@@ -430,9 +453,14 @@ class KVPool:
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
         """True if any local tier (or the cluster's save queue) holds the chunk."""
-        self._registered(ns)
         self._check_key(key)
-        return self._present(ns.id, key)
+        return self.contains_many(ns, [key])[0]
+
+    def contains_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """``contains`` per key, each local tier asked once for the batch."""
+        self._registered(ns)
+        self._check_keys(keys)
+        return self._held_locally(ns.id, keys, stop_at_miss=False)
 
     # ------------------------------------------------------------------ removal
     def delete(self, ns: Namespace, key: bytes) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -112,6 +112,11 @@ class WriteBehind:
     def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
         with self._lock:
             return self._find(key, namespace_id) is not None
+
+    def contains_many(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bool]:
+        """``contains`` for a batch, under one lock acquisition."""
+        with self._lock:
+            return [self._find(k, namespace_id) is not None for k in keys]
 
     def discard(self, key: bytes) -> None:
         """Forget a staged chunk (deleted by the user) so it is not written."""

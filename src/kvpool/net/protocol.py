@@ -34,7 +34,8 @@ PUT            ns + keys; payload =       count = chunks stored
                count x chunk_bytes
 DELETE         ns + keys                  count = chunks removed
 INVALIDATE     ns                         count = chunks dropped
-STATS          -                          JSON of the node's counters
+STATS          -                          JSON counters: node-wide for the admin token (or
+                                          with auth off), the asking tenant's own otherwise
 =============  =========================  ==========================================
 
 GET's ``count`` is the number of keys to fetch; a client may append further keys after them

@@ -420,11 +420,11 @@ class Connection:
         """One flag per key. The probes are in-memory index lookups, but the SSD index lock
         can be held across a segment roll: while other requests are in flight they run on a
         worker thread so the loop keeps serving; a lone request answers inline."""
-        def probe() -> list[bool]:
-            return [self.pool.contains(ns, k) for k in keys]
-
-        held = await self.loop.run_in_executor(self.executor, probe) if self.node.busy \
-            else probe()
+        if self.node.busy:
+            held = await self.loop.run_in_executor(self.executor, self.pool.contains_many, ns,
+                                                   keys)
+        else:
+            held = self.pool.contains_many(ns, keys)
         await self.reply(req, count=sum(held), meta=pack_flags(held))
 
     async def _get(self, req: Header, ns: Namespace, keys: list[bytes]) -> None:

@@ -288,16 +288,16 @@ class SsdEngine:
         with self._lock:
             if namespace_id is None:
                 return key in self._index
-            loc = self._index.get(key)
-            return loc is not None and self._ns_ids[loc.ns_index] == namespace_id
+            ns_index = self._index.ns_index_of(key)
+            return ns_index >= 0 and self._ns_ids[ns_index] == namespace_id
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def contains_many(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bool]:
+        """``contains`` for a batch, under one lock acquisition."""
         self._check_open()
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in self._index:
-                    return i
-        return len(keys)
+            want = self._ns_lookup.get(namespace_id, -1)
+            ns_index_of = self._index.ns_index_of
+            return [want >= 0 and ns_index_of(k) == want for k in keys]
 
     def _locate(self, key: bytes) -> Location | None:
         with self._lock:

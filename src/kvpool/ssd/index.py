@@ -96,6 +96,11 @@ class CompactIndex:
             self._hot[i] = 1
         return self._location(i)
 
+    def ns_index_of(self, key: bytes) -> int:
+        """The key's namespace index, or -1 if it is not indexed."""
+        i = self._find(*self._split(key))
+        return -1 if i < 0 else int(self._ns_index[i])
+
     def __contains__(self, key: object) -> bool:
         return isinstance(key, bytes) and self._find(*self._split(key)) >= 0
 

@@ -314,13 +314,12 @@ class DramTier:
             entry = self._entries.get(key)
             return entry is not None and (namespace_id is None or entry.ns.id == namespace_id)
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+    def contains_many(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bool]:
+        """``contains`` for a batch, under one lock acquisition."""
         with self._lock:
             self._check_open()
-            for i, key in enumerate(keys):
-                if key not in self._entries:
-                    return i
-        return len(keys)
+            get = self._entries.get
+            return [(e := get(k)) is not None and e.ns.id == namespace_id for k in keys]
 
     # ------------------------------------------------------------------ removal
     def _drop_locked(self, key: bytes) -> bool:

@@ -38,6 +38,9 @@ class RemoteTier:
     def staged(self, key: bytes, namespace_id: bytes | None = None) -> bool:
         return self._wb.contains(key, namespace_id)
 
+    def staged_many(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bool]:
+        return self._wb.contains_many(keys, namespace_id)
+
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return self.client.exists_prefix(ns, keys)
 
