@@ -10,8 +10,8 @@ with 1 and 4 threads (a connection per thread for every system); each op moves o
   the same; Redis: the returned bytes are copied into it).
 * PUT: from the caller's buffer; every pass writes fresh keys (kvpool's node evicts by policy,
   Redis is flushed between passes outside the timing).
-* a prefix lookup of 512 keys (all present; one EXISTS with a per-key answer) per call, p50 / p99, beside a raw 512-key round trip
-  and Redis ``EXISTS`` of the same 512 keys.
+* a prefix lookup of 512 keys (all present; one EXISTS with a per-key answer) per call,
+  p50 / p99, beside a raw 512-key round trip and Redis ``EXISTS`` of the same 512 keys.
 
 Passes alternate kvpool / raw / Redis so machine noise hits all three; each GET pass checks the
 last chunk every thread read against the bytes written.
