@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kvtest import read_acks
 from test_ssd_corruption import NS, SEG, flip_bit, locate, overwrite
-from test_ssd_crash import MiB, _check_reads, _read_acks, _run_and_kill, cw
+from test_ssd_crash import MiB, _check_reads, _run_and_kill, cw
 
 from kvpool.keys import KVLayout, Namespace
 from kvpool.record import BLOCK, HEADER_BLOCK, record_size
@@ -298,12 +299,12 @@ def test_sigkill_then_header_damage_keeps_every_other_acknowledged_record(
     rng = random.Random(5)
     damaged: set[bytes] = set()
     for _cycle in range(6):
-        start = len(_read_acks(ack))
+        start = len(read_acks(ack))
         _run_and_kill(directory, ack, durability="durable", capacity=capacity,
                       segment_size=seg_size, eviction="fifo", start=start, salt=salt,
                       max_payload=max_payload, delay=rng.uniform(0.1, 0.4), reads=False,
                       deletes=False, pause=0.002, log=log)
-        acked = _read_acks(ack)
+        acked = read_acks(ack)
         assert len(acked) > start
         victim = rng.choice([k for k in acked if k not in damaged])
         seg, off, _ = locate(directory, victim)
