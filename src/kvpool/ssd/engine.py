@@ -45,7 +45,7 @@ from kvpool.record import (
 )
 from kvpool.ssd.directio import DirectMode, ThreadBuffers, is_direct_capable
 from kvpool.ssd.index import CompactIndex, Location
-from kvpool.ssd.log import Segment, SegmentLog
+from kvpool.ssd.log import SegmentLog
 from kvpool.ssd.recovery import scan_media
 from kvpool.ssd.segments import SegmentStore
 from kvpool.ssd.writer import Pending, write_batch
@@ -126,10 +126,6 @@ class SsdEngine:
     def max_payload(self) -> int:
         # segment header, record header, and the smallest summary (one block) at the end
         return self.segment_size - 3 * BLOCK
-
-    @property
-    def _segments(self) -> list[Segment]:
-        return self._log.segments
 
     def __len__(self) -> int:
         return len(self._index)
