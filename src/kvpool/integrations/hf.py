@@ -32,6 +32,7 @@ from kvpool.keys import KVLayout, Namespace
 
 log = logging.getLogger("kvpool.integrations.hf")
 
+
 class ChunkStore(Protocol):
     """What the integration needs from a store (KVPool and FilePerChunkPool provide it)."""
 
