@@ -76,8 +76,8 @@ class _Refused(Exception):
 
 
 def scoped_chunk_key(ns_id: bytes, key: bytes) -> bytes:
-    """The key a node files a client's chunk key under: scoped by namespace, so a key presented under
-    another tenant's namespace can never reach this one's bytes."""
+    """The key a node files a client's chunk key under: scoped by namespace, so a key
+    presented under another tenant's namespace can never reach this one's bytes."""
     return bytes(xxhash.xxh3_128_digest(ns_id + key))
 
 
