@@ -397,12 +397,14 @@ class KVPool:
     def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
         """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,
         which get_many_into can still fetch). Each view pins its slot until ``release()``:
-        release every one, or the slots can never be evicted."""
+        release every one, or the slots can never be evicted. A key not pinned is not
+        counted as a DRAM miss here: the get_many_into that fetches it counts it, so one
+        read of a chunk counts at most one DRAM miss."""
         self._registered(ns)
         self._check_keys(keys)
         if self._dram is None:
             return [None] * len(keys)
-        views = [self._dram.view(key, ns.id) for key in keys]
+        views = [self._dram.view(key, ns.id, count_miss=False) for key in keys]
         self._counters["dram_hits"] += sum(v is not None for v in views)
         return views
 
