@@ -218,10 +218,17 @@ class SegmentLog:
             try:
                 self._read_block(victim, offset, buf)
                 h = unpack_header(buf)
-                if h.key == key and payload_checksum(
-                        buf[HEADER_BLOCK:HEADER_BLOCK + h.payload_len]) == h.checksum:
-                    forward.append((key, int(ns_col[slot]), buf))
-            except (OSError, CorruptRecordError):
+            except OSError as exc:  # the medium failed, the record may be fine: not corruption
+                self._counters.add("io_errors")
+                log.warning("ssd: copy-forward read error %s; record dropped", exc)
+                continue
+            except CorruptRecordError:
+                self._counters.add("checksum_failures")
+                continue
+            if h.key == key and payload_checksum(
+                    buf[HEADER_BLOCK:HEADER_BLOCK + h.payload_len]) == h.checksum:
+                forward.append((key, int(ns_col[slot]), buf))
+            else:  # damaged since it was written: was dropped uncounted
                 self._counters.add("checksum_failures")
         self._index.remove_slots(slots)
         self._counters.add("segments_evicted")
