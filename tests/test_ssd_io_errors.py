@@ -60,6 +60,21 @@ def segment_of(engine: SsdEngine, i: int) -> int:
     return loc.segment
 
 
+HOT = 10**6
+
+
+def full_log_with_a_hot_record(tmp_path: Path) -> SsdEngine:
+    """A second_chance engine whose log is full: record HOT (read once, so eviction would copy
+    it forward) in the oldest segment, then fillers 1-55; the next put evicts HOT's segment."""
+    e = SsdEngine(tmp_path, CAP, SEG, "cache", eviction="second_chance")
+    assert e.put(key(HOT), NS, data(HOT))
+    for n in range(1, 4 * PER_SEG):
+        assert e.put(key(n), NS, data(n))
+    assert read(e, HOT) is not None
+    assert e.stats()["segments_evicted"] == 0
+    return e
+
+
 def test_a_failed_read_is_an_io_error_and_keeps_the_record(tmp_path: Path) -> None:
     e = SsdEngine(tmp_path, CAP, SEG, "cache")
     try:
@@ -77,20 +92,14 @@ def test_a_failed_read_is_an_io_error_and_keeps_the_record(tmp_path: Path) -> No
 
 
 def test_a_failed_copy_forward_read_is_an_io_error(tmp_path: Path) -> None:
-    e = SsdEngine(tmp_path, CAP, SEG, "cache", eviction="second_chance")
-    hot = 10**6
+    e = full_log_with_a_hot_record(tmp_path)
     try:
-        assert e.put(key(hot), NS, data(hot))
-        for n in range(1, 4 * PER_SEG):  # fillers 1-55: the log is full, nothing evicted
-            assert e.put(key(n), NS, data(n))
-        assert read(e, hot) is not None  # hot: second_chance would copy it forward
-        assert e.stats()["segments_evicted"] == 0
-        with reads_fail(e, segment_of(e, hot)):
-            assert e.put(key(4 * PER_SEG), NS, data(4 * PER_SEG))  # evicts the hot segment
+        with reads_fail(e, segment_of(e, HOT)):
+            assert e.put(key(4 * PER_SEG), NS, data(4 * PER_SEG))  # evicts HOT's segment
         st = e.stats()
         assert st["segments_evicted"] == 1 and st["copied_forward"] == 0
         assert st["io_errors"] == 1 and st["checksum_failures"] == 0
-        assert not e.contains(key(hot))
+        assert not e.contains(key(HOT))
         got = read(e, 4 * PER_SEG)
         assert got is not None and np.array_equal(got, data(4 * PER_SEG))
     finally:
@@ -98,14 +107,9 @@ def test_a_failed_copy_forward_read_is_an_io_error(tmp_path: Path) -> None:
 
 
 def test_a_damaged_record_met_by_copy_forward_is_a_checksum_failure(tmp_path: Path) -> None:
-    e = SsdEngine(tmp_path, CAP, SEG, "cache", eviction="second_chance")
-    hot = 10**6
+    e = full_log_with_a_hot_record(tmp_path)
     try:
-        assert e.put(key(hot), NS, data(hot))
-        for n in range(1, 4 * PER_SEG):
-            assert e.put(key(n), NS, data(n))
-        assert read(e, hot) is not None
-        loc = e._index.get(key(hot))
+        loc = e._index.get(key(HOT))
         assert loc is not None
         fd = e._store.fd(loc.segment)
         payload_at = e._store.base(loc.segment) + loc.block * BLOCK + HEADER_BLOCK
@@ -115,10 +119,10 @@ def test_a_damaged_record_met_by_copy_forward_is_a_checksum_failure(tmp_path: Pa
             os.fsync(raw)
         finally:
             os.close(raw)
-        assert e.put(key(4 * PER_SEG), NS, data(4 * PER_SEG))  # evicts the hot segment
+        assert e.put(key(4 * PER_SEG), NS, data(4 * PER_SEG))  # evicts HOT's segment
         st = e.stats()
         assert st["segments_evicted"] == 1 and st["copied_forward"] == 0
         assert st["checksum_failures"] == 1 and st["io_errors"] == 0
-        assert not e.contains(key(hot))
+        assert not e.contains(key(HOT))
     finally:
         e.close()
