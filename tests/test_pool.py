@@ -192,3 +192,23 @@ def test_prefetch_lifts_ssd_chunks_into_dram(tmp_path: Path) -> None:
             pin.release()
         assert pool.stats()["pool"]["prefetched"] == 8
         assert pool.prefetch(ns, cold[:8]) is None  # all resident: nothing to do
+
+
+def test_a_read_after_a_failed_pin_counts_one_dram_miss(tmp_path: Path) -> None:
+    # the node's GET and the engine loads pin first, then get_many_into what was not pinned
+    ns = byte_namespace()
+    with KVPool(small_config(tmp_path)) as pool:
+        pool.register_namespace(ns)
+        present = [k(i) for i in range(3)]
+        pool.put_many(ns, present, [payload_for(x) for x in present])
+        absent = [k(100 + i) for i in range(5)]
+        pins = pool.pin_many(ns, [*present, *absent])
+        assert [p is None for p in pins] == [False] * 3 + [True] * 5
+        outs = [np.zeros(CHUNK, np.uint8) for _ in absent]
+        assert pool.get_many_into(ns, absent, outs) == [False] * 5
+        for p in pins:
+            if p is not None:
+                p.release()
+        dram = pool.stats()["dram"]
+        assert dram["misses"] == len(absent) and dram["hits"] == len(present)
+        assert pool.stats()["pool"]["misses"] == len(absent)

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvpool.buffers import byte_view
 from kvpool.config import Config, load_config
+from kvpool.counters import Counters
 from kvpool.errors import ArgumentError, ChunkSizeError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy
@@ -84,11 +85,10 @@ class KVPool:
         self._namespaces: dict[bytes, Namespace] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._counters = dict.fromkeys(("lookups", "lookup_hit_chunks", "dram_hits",
-                                        "staged_hits", "ssd_hits", "remote_hits",
-                                        "misses", "promotions", "prefetched",
-                                        "prefetch_skipped", "durable_write_errors"),
-                                       0)
+        self._counters = Counters(  # bumped by callers, the prefetch thread and IO threads
+            "lookups", "lookup_hit_chunks", "dram_hits", "staged_hits", "ssd_hits",
+            "remote_hits", "misses", "promotions", "prefetched", "prefetch_skipped",
+            "durable_write_errors")
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_pending = 0
         self._admission: AdmissionPolicy = make_admission_policy(cfg.ssd.admission,
@@ -243,7 +243,7 @@ class KVPool:
                 # Sub-batches written before the failure are indexed (and synced): the
                 # index, not the exception, says which chunks are durable.
                 log.warning("durable put of %d chunks failed: %s", len(todo), exc)
-                self._counters["durable_write_errors"] += 1
+                self._counters.add("durable_write_errors")
         return [ssd.contains(key, ns.id) for key, ns, _ in items]
 
     def reserve(self, ns: Namespace, key: bytes,
@@ -310,17 +310,20 @@ class KVPool:
         found = [False] * len(keys)
         pending: list[int] = []
         ns_id = ns.id  # every tier checks the namespace a chunk was stored under
+        dram_hits = staged_hits = 0  # counted once per batch: each add takes a lock
         for i, (key, view) in enumerate(zip(keys, views, strict=True)):
             if self._dram is not None and self._dram.get_into(key, view, ns_id):
                 found[i] = True
-                self._counters["dram_hits"] += 1
+                dram_hits += 1
             elif (self._wb is not None and self._wb.get_into(key, view, ns_id)) or (
                     self._remote is not None and self._remote.staged_get_into(key, view,
                                                                               ns_id)):
                 found[i] = True
-                self._counters["staged_hits"] += 1
+                staged_hits += 1
             else:
                 pending.append(i)
+        self._counters.add("dram_hits", dram_hits)
+        self._counters.add("staged_hits", staged_hits)
         if pending and self._ssd is not None:
             ssd = self._ssd
             pending = self._fetch(ns, keys, views, found, pending,
@@ -330,7 +333,7 @@ class KVPool:
             remote = self._remote
             pending = self._fetch(ns, keys, views, found, pending,
                                   lambda k, v: remote.get_many_into(ns, k, v), "remote_hits")
-        self._counters["misses"] += len(pending)
+        self._counters.add("misses", len(pending))
         return found
 
     def _fetch(self, ns: Namespace, keys: Sequence[bytes], views: list[memoryview],
@@ -341,15 +344,17 @@ class KVPool:
         Returns the indices still missing."""
         got = read([keys[i] for i in pending], [views[i] for i in pending])
         still = []
+        promotions = 0
         for i, hit in zip(pending, got, strict=True):
             if not hit:
                 still.append(i)
                 continue
             found[i] = True
-            self._counters[counter] += 1
             if self._dram is not None and self.config.pool.promote_on_hit:
                 self._dram.put(keys[i], ns, views[i], on_lower=True)
-                self._counters["promotions"] += 1
+                promotions += 1
+        self._counters.add(counter, len(pending) - len(still))
+        self._counters.add("promotions", promotions)
         return still
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> Future[int] | None:
@@ -367,7 +372,7 @@ class KVPool:
             return None
         with self._lock:
             if self._prefetch_pending >= PREFETCH_MAX_PENDING:
-                self._counters["prefetch_skipped"] += 1
+                self._counters.add("prefetch_skipped")
                 return None
             self._prefetch_pending += 1
             if self._prefetcher is None:
@@ -391,19 +396,21 @@ class KVPool:
         finally:
             with self._lock:
                 self._prefetch_pending -= 1
-                self._counters["prefetched"] += promoted
+                self._counters.add("prefetched", promoted)
         return promoted
 
     def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
         """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,
         which get_many_into can still fetch). Each view pins its slot until ``release()``:
-        release every one, or the slots can never be evicted."""
+        release every one, or the slots can never be evicted. A key not pinned is not
+        counted as a DRAM miss here: the get_many_into that fetches it counts it, so one
+        read of a chunk counts at most one DRAM miss."""
         self._registered(ns)
         self._check_keys(keys)
         if self._dram is None:
             return [None] * len(keys)
-        views = [self._dram.view(key, ns.id) for key in keys]
-        self._counters["dram_hits"] += sum(v is not None for v in views)
+        views = [self._dram.view(key, ns.id, count_miss=False) for key in keys]
+        self._counters.add("dram_hits", sum(v is not None for v in views))
         return views
 
     def _held_locally(self, ns_id: bytes, keys: Sequence[bytes],
@@ -444,11 +451,11 @@ class KVPool:
         one batched EXISTS per storage node."""
         self._registered(ns)
         self._check_keys(keys)
-        self._counters["lookups"] += 1
+        self._counters.add("lookups")
         n = len(self._held_locally(ns.id, keys, stop_at_miss=True))
         if n < len(keys) and self._remote is not None:
             n += self._remote.lookup(ns, keys[n:])
-        self._counters["lookup_hit_chunks"] += n
+        self._counters.add("lookup_hit_chunks", n)
         return n
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
@@ -510,7 +517,7 @@ class KVPool:
     def stats(self) -> dict[str, Any]:
         """Counters per tier: hits, misses, evictions, checksum failures, dropped saves..."""
         self._check_open()
-        out: dict[str, Any] = {"pool": dict(self._counters)}
+        out: dict[str, Any] = {"pool": self._counters.snapshot()}
         if self._dram is not None:
             out["dram"] = self._dram.stats()
         if self._wb is not None:

@@ -16,7 +16,7 @@ from node_process import NodeProcess
 
 from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -17,7 +17,7 @@ from node_process import NodeProcess
 
 from kvpool.cluster.membership import EtcdMembership
 from kvpool.config import ClusterConfig
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 from kvpool.net.connection import NodeConnection
 from kvpool.net.placement import replicas
 

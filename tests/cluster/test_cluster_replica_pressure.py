@@ -18,7 +18,7 @@ import pytest
 from kvtest import byte_namespace, payload_for
 from node_faults import NodeSet, node_set, pause, wait_for
 
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 from kvpool.net.placement import replicas
 
 CHUNK = 32 * 1024

@@ -24,7 +24,7 @@ from node_process import NodeProcess
 
 import kvpool
 from kvpool.config import ClusterConfig
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 
 CHUNK = 64 * 1024
 GETS = 1000

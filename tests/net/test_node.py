@@ -17,7 +17,7 @@ from node_process import NodeProcess
 
 from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import HEADER_BYTES, AuthError, Header, Op, RemoteError, Status
 

@@ -11,7 +11,7 @@ from kvtest import byte_namespace, payload_for
 from node_process import NodeProcess
 
 from kvpool.config import ClusterConfig
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 
 CHUNK = 64 * 1024
 

@@ -58,6 +58,9 @@ def stored(run_engine: EngineRunner, tiny_model: Path, baseline: dict[str, Any],
     c = counters(result)
     assert c["stored_chunks"] == 2 * (len(P1) // BLOCK)  # every full prompt chunk, once
     assert c["loaded_tokens"] == 0 and c["dropped_chunks"] == 0
+    engine = result["engine"]  # what kvpool bench vllm labels its runs with
+    assert engine["device"] == "cpu" and engine["enforce_eager"] is True
+    assert engine["model"] == str(tiny_model) and engine["vllm_version"]
     return cache, result
 
 

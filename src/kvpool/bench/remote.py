@@ -51,7 +51,7 @@ from kvpool.bench.storage_common import namespace_for
 from kvpool.buffers import byte_view
 from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 
 KiB, MiB = 1024, 1 << 20
 

@@ -41,9 +41,9 @@ __all__ = [
     "NodeRegistration",
     "StaticMembership",
     "list_nodes",
-    "node_key",
     "nodes_prefix",
     "parse_address",
+    "registration_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ def nodes_prefix(cluster: str) -> str:
     return f"/kvpool/{_check_name('cluster name', cluster)}/nodes/"
 
 
-def node_key(cluster: str, node_id: str) -> str:
-    """The etcd key a node registers under."""
+def registration_key(cluster: str, node_id: str) -> str:
+    """The etcd key a node registers its address and lease under."""
     return nodes_prefix(cluster) + _check_name("node id", node_id)
 
 
@@ -382,7 +382,7 @@ class NodeRegistration:
             raise ValueError("ttl_s must be > 0")
         self.node = node
         self.cluster = cluster
-        self.key = node_key(cluster, node.node_id)
+        self.key = registration_key(cluster, node.node_id)
         self.ttl_s = float(ttl_s)
         self._client = EtcdClient(endpoints, timeout_s)
         self._lock = threading.Lock()

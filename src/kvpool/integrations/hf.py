@@ -27,11 +27,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import KVLayout, Namespace
 
 log = logging.getLogger("kvpool.integrations.hf")
-
-_TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class ChunkStore(Protocol):
@@ -74,10 +73,9 @@ def namespace_for(model: Any, chunk_tokens: int = 256, tenant_salt: str = "",
     """Namespace from the model config: model id, dtype, layers, KV heads, head dim and
     chunk size. Raises ValueError for a dtype kvpool does not store."""
     layers, kv_heads, head_dim, dtype = model_shape(model)
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"unsupported KV dtype {dtype}")
+    dtype_name = kv_dtype_name(dtype)
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    layout = KVLayout(dtype=_TORCH_DTYPES[dtype], num_layers=layers, num_kv_heads=kv_heads,
+    layout = KVLayout(dtype=dtype_name, num_layers=layers, num_kv_heads=kv_heads,
                       head_dim=head_dim, chunk_tokens=chunk_tokens,
                       engine_layout="hf:layer-major[k,v][kv_heads,tokens,head_dim]")
     return Namespace(model=name, layout=layout, revision=revision, tenant_salt=tenant_salt)
@@ -92,10 +90,6 @@ class Prefill:
     prompt_tokens: int
     cached_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
 
 
 @dataclass

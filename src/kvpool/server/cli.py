@@ -69,7 +69,7 @@ def admin_nodes(args: argparse.Namespace) -> int:
         print("kvpool: no cluster configured (set cluster.etcd or cluster.nodes)",
               file=sys.stderr)
         return 2
-    from kvpool.net.cluster import ClusterClient
+    from kvpool.net.client import ClusterClient
     try:
         client = ClusterClient(cfg.cluster)
     except KVPoolError as exc:

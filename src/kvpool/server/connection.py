@@ -75,9 +75,9 @@ class _Refused(Exception):
         self.status, self.message, self.close = status, message, close
 
 
-def node_key(ns_id: bytes, key: bytes) -> bytes:
-    """The key a node files a chunk under: scoped by namespace, so a key presented under
-    another tenant's namespace can never reach this one's bytes."""
+def scoped_chunk_key(ns_id: bytes, key: bytes) -> bytes:
+    """The key a node files a client's chunk key under: scoped by namespace, so a key
+    presented under another tenant's namespace can never reach this one's bytes."""
     return bytes(xxhash.xxh3_128_digest(ns_id + key))
 
 
@@ -290,7 +290,7 @@ class Connection:
                 await self._put(req, ns_id, keys)
                 return
             ns = self._namespace_of(ns_id)
-            scoped = [node_key(ns_id, k) for k in keys]
+            scoped = [scoped_chunk_key(ns_id, k) for k in keys]
             if op is Op.EXISTS_PREFIX:
                 await self.reply(req, count=self.pool.lookup(ns, scoped))
             elif op is Op.EXISTS:
@@ -299,7 +299,7 @@ class Connection:
                 await self.reply(req, count=self.pool.touch(ns, scoped))
             elif op is Op.GET:
                 if touch:  # in-memory, and never waits on the SSD lock: done on the loop
-                    self.pool.touch(ns, [node_key(ns_id, k) for k in touch])
+                    self.pool.touch(ns, [scoped_chunk_key(ns_id, k) for k in touch])
                 await self._get(req, ns, scoped)
             else:
                 removed = await self.loop.run_in_executor(
@@ -377,7 +377,7 @@ class Connection:
         if req.payload_len != len(keys) * ns.chunk_bytes:
             raise ProtocolError(f"PUT payload of {req.payload_len} bytes is not {len(keys)} "
                                 f"chunks of {ns.chunk_bytes}")
-        scoped = [node_key(ns_id, k) for k in keys]
+        scoped = [scoped_chunk_key(ns_id, k) for k in keys]
         # Slots are taken on the loop when that cannot block; only a batch that would wait
         # for pinned slots goes to a worker thread.
         tried = [self.pool.reserve(ns, k, wait=False) for k in scoped]

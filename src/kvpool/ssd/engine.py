@@ -29,6 +29,7 @@ from typing import Any, Literal
 import xxhash
 
 from kvpool.buffers import byte_view
+from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError, CorruptRecordError, PoolClosedError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import make_segment_policy
@@ -45,7 +46,7 @@ from kvpool.record import (
 )
 from kvpool.ssd.directio import DirectMode, ThreadBuffers, is_direct_capable
 from kvpool.ssd.index import CompactIndex, Location
-from kvpool.ssd.log import Segment, SegmentLog
+from kvpool.ssd.log import SegmentLog
 from kvpool.ssd.recovery import scan_media
 from kvpool.ssd.segments import SegmentStore
 from kvpool.ssd.writer import Pending, write_batch
@@ -101,10 +102,10 @@ class SsdEngine:
         self._io_threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-ssd")
         self._pieces = ThreadPoolExecutor(PIPELINE_THREADS, thread_name_prefix="kvpool-ssd-piece")
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("puts", "put_bytes", "gets", "hits", "misses", "checksum_failures", "stale_reads",
-             "io_errors", "segments_evicted", "records_evicted", "copied_forward",
-             "torn_discarded", "deletes", "namespace_mismatch"), 0)
+        self._counters = Counters(  # bumped on IO threads too
+            "puts", "put_bytes", "gets", "hits", "misses", "checksum_failures", "stale_reads",
+            "io_errors", "segments_evicted", "records_evicted", "copied_forward",
+            "torn_discarded", "deletes", "namespace_mismatch")
         try:
             # The log shares the engine lock (through _cond), the index and the counters.
             self._log = SegmentLog(self._store, self._index, self._cond, policy,
@@ -127,10 +128,6 @@ class SsdEngine:
         # segment header, record header, and the smallest summary (one block) at the end
         return self.segment_size - 3 * BLOCK
 
-    @property
-    def _segments(self) -> list[Segment]:
-        return self._log.segments
-
     def __len__(self) -> int:
         return len(self._index)
 
@@ -145,7 +142,7 @@ class SsdEngine:
         them."""
         scan = scan_media(self._store, threads=self._io_threads)
         self._log.restore(scan)
-        self._counters["torn_discarded"] += scan.torn_discarded
+        self._counters.add("torn_discarded", scan.torn_discarded)
         self._index.reserve(len(self._index) + len(scan.records))
         put, ns_index = self._index.put, self._ns_index  # the common case, without _replay
         for r in scan.records:
@@ -216,8 +213,8 @@ class SsdEngine:
             for p in pending:
                 p.ns_index = self._ns_index(p.header.namespace_id)
         self._append(pending)
-        self._counters["puts"] += len(pending)
-        self._counters["put_bytes"] += sum(p.payload.nbytes for p in pending)
+        self._counters.add("puts", len(pending))
+        self._counters.add("put_bytes", sum(p.payload.nbytes for p in pending))
         return len(pending)
 
     def _append(self, pending: list[Pending]) -> None:
@@ -265,7 +262,7 @@ class SsdEngine:
                 return False
             ns_id = self._ns_ids[loc.ns_index]
         self._append_marker(RecordHeader(bytes(key), ns_id, 0, 0, 0, 0, FLAG_TOMBSTONE))
-        self._counters["deletes"] += 1
+        self._counters.add("deletes")
         return True
 
     def invalidate(self, namespace_id: bytes) -> int:
@@ -330,9 +327,9 @@ class SsdEngine:
 
     def _read(self, key: bytes, loc: Location | None, out: memoryview,
               pipelined: bool = False, namespace_id: bytes | None = None) -> bool:
-        self._counters["gets"] += 1
+        self._counters.add("gets")
         if loc is None:
-            self._counters["misses"] += 1
+            self._counters.add("misses")
             return False
         # The index knows each record's namespace: a foreign one costs no IO (and is not a
         # ChunkSizeError when the other namespace's chunks differ in size).
@@ -362,7 +359,7 @@ class SsdEngine:
                 got += future.result()
                 hasher.update(payload[o:o + n])
         except OSError as exc:
-            self._counters["io_errors"] += 1
+            self._counters.add("io_errors")
             log.warning("ssd: read error %s; served as a miss", exc)
             return self._miss()
         except CorruptRecordError as exc:
@@ -371,7 +368,7 @@ class SsdEngine:
             for future in futures:  # never leave a piece landing in `out` after we return
                 future.exception()
         if h.key != key:  # the segment was recycled under us: the record is simply gone
-            self._counters["stale_reads"] += 1
+            self._counters.add("stale_reads")
             return self._miss()
         if namespace_id is not None and h.namespace_id != namespace_id:
             return self._wrong_namespace()  # re-put under another namespace since _locate
@@ -381,19 +378,19 @@ class SsdEngine:
             return self._corrupt(key, loc, "payload checksum mismatch")
         if payload is not out:
             out[:] = payload[:nbytes]
-        self._counters["hits"] += 1
+        self._counters.add("hits")
         return True
 
     def _miss(self) -> bool:
-        self._counters["misses"] += 1
+        self._counters.add("misses")
         return False
 
     def _wrong_namespace(self) -> bool:
-        self._counters["namespace_mismatch"] += 1
+        self._counters.add("namespace_mismatch")
         return self._miss()
 
     def _corrupt(self, key: bytes, loc: Location, why: str) -> bool:
-        self._counters["checksum_failures"] += 1
+        self._counters.add("checksum_failures")
         log.warning("ssd: corrupt record %s (%s); dropped and served as a miss", key.hex(), why)
         with self._lock:
             if self._index.get(key) == loc:
@@ -404,7 +401,7 @@ class SsdEngine:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             used = self._log.used_bytes()
-            out: dict[str, Any] = dict(self._counters)
+            out: dict[str, Any] = self._counters.snapshot()
             out.update(records=len(self._index), used_bytes=used,
                        capacity_bytes=self._store.count * self.segment_size,
                        segments=self._store.count, free_segments=len(self._log.free),
@@ -431,7 +428,7 @@ class SsdEngine:
         if self._closed:
             return False
         if not self._lock.acquire(blocking=False):
-            self._counters["touch_skipped"] = self._counters.get("touch_skipped", 0) + 1
+            self._counters.add("touch_skipped")
             return False
         try:
             return self._index.get(key, mark_hot=True) is not None

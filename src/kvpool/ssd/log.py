@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool.counters import Counters
 from kvpool.errors import CorruptRecordError
 from kvpool.policy.segments import SegmentPolicy
 from kvpool.record import (
@@ -78,7 +79,7 @@ class SegmentLog:
 
     def __init__(self, store: SegmentStore, index: CompactIndex, cond: threading.Condition,
                  policy: SegmentPolicy, forward_budget_blocks: int, durable: bool,
-                 counters: dict[str, int]) -> None:
+                 counters: Counters) -> None:
         self._store = store
         self._index = index
         self._cond = cond
@@ -217,14 +218,21 @@ class SegmentLog:
             try:
                 self._read_block(victim, offset, buf)
                 h = unpack_header(buf)
-                if h.key == key and payload_checksum(
-                        buf[HEADER_BLOCK:HEADER_BLOCK + h.payload_len]) == h.checksum:
-                    forward.append((key, int(ns_col[slot]), buf))
-            except (OSError, CorruptRecordError):
-                self._counters["checksum_failures"] += 1
+            except OSError as exc:  # the medium failed, the record may be fine: not corruption
+                self._counters.add("io_errors")
+                log.warning("ssd: copy-forward read error %s; record dropped", exc)
+                continue
+            except CorruptRecordError:
+                self._counters.add("checksum_failures")
+                continue
+            if h.key == key and payload_checksum(
+                    buf[HEADER_BLOCK:HEADER_BLOCK + h.payload_len]) == h.checksum:
+                forward.append((key, int(ns_col[slot]), buf))
+            else:  # damaged since it was written: was dropped uncounted
+                self._counters.add("checksum_failures")
         self._index.remove_slots(slots)
-        self._counters["segments_evicted"] += 1
-        self._counters["records_evicted"] += int(slots.size) - len(forward)
+        self._counters.add("segments_evicted")
+        self._counters.add("records_evicted", int(slots.size) - len(forward))
         self.segments[victim] = Segment()
         self.free.append(victim)
         return forward
@@ -236,7 +244,7 @@ class SegmentLog:
         for key, ns_index, buf in forward:
             old = unpack_header(buf)
             if not seg.fits(len(buf), old.namespace_id, self._store.segment_size):
-                self._counters["records_evicted"] += 1  # the budget is a fraction: rare
+                self._counters.add("records_evicted")  # the budget is a fraction: rare
                 continue
             new = RecordHeader(key, old.namespace_id, old.layout_id, old.payload_len,
                                self._next_seq(), old.checksum, old.flags)
@@ -245,6 +253,6 @@ class SegmentLog:
             os.pwritev(self._store.fd(seg_no), [buf], self._store.base(seg_no) + offset)
             seg.place(new, offset, len(buf))
             self._index.put(key, seg_no, offset // BLOCK, len(buf) // BLOCK, ns_index)
-            self._counters["copied_forward"] += 1
+            self._counters.add("copied_forward")
         if forward and self._durable:
             self._store.sync(seg_no)

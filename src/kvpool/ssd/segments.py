@@ -210,9 +210,6 @@ class SegmentStore:
     def sync(self, segment: int) -> None:
         os.fdatasync(self._fd_of[segment])
 
-    def fds(self) -> list[int]:
-        return list(self._fds)
-
     def close(self) -> None:
         """Close every fd, then release the lock. Idempotent."""
         fds, self._fds = self._fds, []

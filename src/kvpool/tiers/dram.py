@@ -257,14 +257,16 @@ class DramTier:
         self._cond.notify_all()
 
     # ------------------------------------------------------------------ reads
-    def _pin(self, key: bytes, namespace_id: bytes | None) -> _Entry | None:
+    def _pin(self, key: bytes, namespace_id: bytes | None,
+             count_miss: bool = True) -> _Entry | None:
         with self._lock:
             self._check_open()
             entry = self._entries.get(key)
             if entry is None or (namespace_id is not None and entry.ns.id != namespace_id):
-                self._counters["misses"] += 1
-                if entry is not None:
-                    self._counters["namespace_mismatches"] += 1
+                if count_miss:
+                    self._counters["misses"] += 1
+                    if entry is not None:
+                        self._counters["namespace_mismatches"] += 1
                 return None
             entry.pins += 1
             entry.hits += 1
@@ -299,10 +301,12 @@ class DramTier:
             self._unpin(entry)
         return True
 
-    def view(self, key: bytes, namespace_id: bytes | None = None) -> PinnedView | None:
+    def view(self, key: bytes, namespace_id: bytes | None = None,
+             count_miss: bool = True) -> PinnedView | None:
         """Zero-copy read view that pins the slot until released; None on a miss (as for
-        ``get_into``)."""
-        entry = self._pin(key, namespace_id)
+        ``get_into``). ``count_miss=False``: a miss is not counted (nor a namespace mismatch),
+        for a caller whose follow-up read of the key counts it."""
+        entry = self._pin(key, namespace_id, count_miss)
         if entry is None:
             return None
         return PinnedView(self, entry, self._arena.view(entry.offset, entry.nbytes).toreadonly())

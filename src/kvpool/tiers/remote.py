@@ -14,7 +14,7 @@ from typing import Any
 from kvpool.cluster.membership import Membership
 from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace
-from kvpool.net.cluster import ClusterClient
+from kvpool.net.client import ClusterClient
 from kvpool.writebehind import WriteBehind
 
 

@@ -27,11 +27,9 @@ from typing import Any
 
 import torch
 
+from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import KVLayout, Namespace
 
-_TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16",
-                 torch.bfloat16: "bfloat16", torch.uint8: "uint8", torch.int8: "int8",
-                 torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 
@@ -95,8 +93,7 @@ class PageGeometry:
             if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or len(dims) > 1:
                 raise ValueError(f"KV cache {name} has shape {tuple(t.shape)} {t.dtype}, unlike "
                                  f"{names[0]} {tuple(first.shape)} {first.dtype}")
-        if first.dtype not in _TORCH_DTYPES:
-            raise ValueError(f"unsupported KV dtype {first.dtype}")
+        kv_dtype_name(first.dtype)  # raises ValueError for a dtype kvpool does not store
         geom = cls(names, tuple(int(d) for d in first.shape[1:]), first.dtype, dims.pop())
         return geom, views
 
@@ -119,7 +116,7 @@ def make_namespace(ident: EngineIdentity, geom: PageGeometry, chunk_tokens: int,
     """The namespace of one tensor-parallel rank's KV. Raises ValueError if the pages do not
     hold exactly ``block_size`` tokens of K and V for this rank's heads (another layout, such
     as MLA, would need its own byte accounting)."""
-    dtype = _TORCH_DTYPES[geom.dtype]
+    dtype = kv_dtype_name(geom.dtype)
     layout = KVLayout(
         dtype=dtype, num_layers=len(geom.layer_names), num_kv_heads=ident.num_kv_heads,
         head_dim=ident.head_size, chunk_tokens=chunk_tokens, kv_factor=2, tp_rank=tp_rank,

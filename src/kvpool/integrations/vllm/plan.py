@@ -36,10 +36,6 @@ class ReqTransfer:
     req_id: str
     chunks: tuple[ChunkCopy, ...]
 
-    @property
-    def num_pages(self) -> int:
-        return sum(b >= 0 for c in self.chunks for b in c.block_ids)
-
 
 @dataclass(slots=True)
 class RequestPlan:
@@ -96,7 +92,7 @@ class RequestPlan:
             if copy is None:
                 break
             stores.append(copy)
-        self.stored = max(self.stored, self.stored + len(stores))
+        self.stored += len(stores)
         return load, (ReqTransfer(self.req_id, tuple(stores)) if stores else None)
 
     def load_failed(self, invalid_blocks: set[int]) -> bool:

@@ -6,8 +6,9 @@ SPEC keys: ``model`` (local HF dir), ``prompts`` (lists of token ids), ``max_tok
 1), ``connector`` (null, or {"name": "kvpool"|"example", "extra": {...}}), and engine options
 ``block_size``, ``max_model_len``, ``max_num_batched_tokens``, ``enable_prefix_caching``
 (default false: only the connector reuses KV), ``dtype``, ``seed``.
-OUT: ``{"outputs": [{"token_ids", "logprobs", "wall_s"}...], "connector_stats": {...}}``;
-``connector_stats`` is what the kvpool worker wrote at shutdown (rank 0), or null.
+OUT: ``{"outputs": [{"token_ids", "logprobs", "wall_s"}...], "connector_stats": {...},
+"engine": {...}}``; ``connector_stats`` is what the kvpool worker wrote at shutdown (rank 0),
+or null; ``engine`` is what ran, as vLLM resolved it (see ``engine_info``).
 
 Prompts run one at a time (one ``generate`` call each), so batch composition is the same in
 every run and greedy outputs can be compared bit for bit. Any engine error propagates (exit
@@ -44,6 +45,18 @@ def _kv_transfer(spec: dict[str, Any], stats_path: str) -> Any:
     raise ValueError(f"unknown connector {conn['name']!r}")
 
 
+def engine_info(llm: Any) -> dict[str, Any]:
+    """What this engine is: vLLM version, device type, the dtype vLLM resolved for the model
+    (``"auto"`` depends on the model and the host), eager or compiled, and the model path."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    mc = llm.llm_engine.model_config
+    return {"vllm_version": vllm.__version__, "device": current_platform.device_type,
+            "dtype": str(mc.dtype).removeprefix("torch."), "enforce_eager": bool(mc.enforce_eager),
+            "model": str(mc.model)}
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -60,6 +73,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
     llm = LLM(**kwargs)
+    engine = engine_info(llm)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8),
                             logprobs=spec.get("logprobs"), ignore_eos=True)
     outputs = []
@@ -81,7 +95,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     stats = None
     if os.path.exists(stats_path):
         stats = json.loads(Path(stats_path).read_text())
-    return {"outputs": outputs, "connector_stats": stats}
+    return {"outputs": outputs, "connector_stats": stats, "engine": engine}
 
 
 def main(argv: list[str]) -> int:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from kvpool.buffers import byte_view
 from kvpool.cluster.membership import EtcdMembership, Membership, StaticMembership
 from kvpool.config import ClusterConfig
+from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.net.connection import NodeConnection, NodePool
@@ -61,7 +62,7 @@ class ClusterClient:
         self._replicas: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
-        self._counters: defaultdict[str, int] = defaultdict(int)
+        self._counters = Counters()  # bumped on fan-out threads too
         self._live_cache: tuple[float, list[str]] | None = None
         self._toucher = ReplicaToucher(
             lambda node_id, ns, keys: self._safe(node_id, _touch_job(ns, keys)) is not None)
@@ -95,7 +96,7 @@ class ClusterClient:
             self._down_until[node_id] = time.monotonic() + self.cfg.retry_down_s
             self._live_cache = None
             pool = self._pools.get(node_id)
-        self._counters["node_failures"] += 1
+        self._counters.add("node_failures")
         if not already:
             log.warning("node %s marked down for %.1fs: %s", node_id, self.cfg.retry_down_s,
                         why)
@@ -114,7 +115,7 @@ class ClusterClient:
         except AuthError:
             raise
         except RemoteError as exc:
-            self._counters["remote_errors"] += 1
+            self._counters.add("remote_errors")
             log.warning("node %s refused a request: %s", node_id, exc)
             return None
         except (OSError, ProtocolError) as exc:  # timeouts and refused connects are OSErrors
@@ -128,7 +129,7 @@ class ClusterClient:
         try:
             return self._on_node(node_id, fn)
         except AuthError as exc:  # refused mid-run (token rotated): a miss, loudly logged
-            self._counters["auth_errors"] += 1
+            self._counters.add("auth_errors")
             log.error("node %s refused this client: %s", node_id, exc)
             return None
 
@@ -178,7 +179,7 @@ class ClusterClient:
         n = 0
         while n < len(keys) and present[n]:
             n += 1
-        self._counters["exists_calls"] += 1
+        self._counters.add("exists_calls")
         return n
 
     def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
@@ -219,8 +220,8 @@ class ClusterClient:
                 for i, hit in zip(per_node[node_id], got, strict=True):
                     found[i] = hit
         hits = sum(found)
-        self._counters["get_hits"] += hits
-        self._counters["get_misses"] += len(keys) - hits
+        self._counters.add("get_hits", hits)
+        self._counters.add("get_misses", len(keys) - hits)
         return found
 
     # ------------------------------------------------------------------ writes
@@ -247,7 +248,7 @@ class ClusterClient:
                     for i in per_node[node_id]:
                         ok[i] = True
             stored += sum(ok)
-        self._counters["put_chunks"] += stored
+        self._counters.add("put_chunks", stored)
         return stored
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
@@ -267,7 +268,7 @@ class ClusterClient:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             down = sorted(n for n, t in self._down_until.items() if t > time.monotonic())
-        out: dict[str, Any] = dict(self._counters)
+        out: dict[str, Any] = self._counters.snapshot()
         out.update(self._toucher.counters)
         out.update(live_nodes=self.live_nodes(), down_nodes=down,
                    touch_pending=self._toucher.pending())
