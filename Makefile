@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test unit demo bench clean
 
 # torch is pinned here, not in pyproject: on these machines `torch==2.13.0` is a CPU wheel on
 # local disk, while a bare `torch` requirement would pull a multi-GB CUDA build.
@@ -27,6 +27,13 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	bash scripts/vllm-env.sh
 	$(PY) -m pytest -q tests
+
+# The fast loop: no etcd, Redis, vLLM venv or SmolLM2 (those tests are marked `external` in
+# tests/conftest.py) and no `slow` torture tests; `make test` runs all of them.
+unit: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -m "not external and not slow" tests
 
 demo: $(STAMP)
 	$(VENV)/bin/kvpool demo

@@ -1,4 +1,12 @@
-"""Shared fixtures (helpers live in kvtest.py)."""
+"""Shared fixtures (helpers live in kvtest.py), and the marks that split the suite.
+
+A test that needs something outside ``.venv`` carries one mark per need (``etcd``, ``redis``,
+``vllm``, ``model``) and, added here, ``external``; ``make unit`` runs ``-m "not external"``.
+The needs are marked here from the fixtures a test uses (its whole fixture closure), so a new
+test on those fixtures is classified without a mark of its own; a test that reaches a service
+without a fixture carries the mark itself (``@pytest.mark.redis``). Such a test fails, never
+skips, when the service is missing, so ``make unit`` cannot pass by skipping one.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,27 @@ from kvtest import byte_namespace
 from node_process import NodeProcess
 
 from kvpool.keys import Namespace
+
+# Fixture -> the mark of what it needs (tests/cluster/conftest.py, tests/vllm/conftest.py,
+# tests/test_models.py).
+NEEDS_BY_FIXTURE = {
+    "etcd_session_server": "etcd",  # behind etcd_endpoint
+    "etcd_server": "etcd",
+    "vllm_python": "vllm",  # behind start_engine, run_engine, baseline
+    "smollm2_cache": "model",  # converts the real SmolLM2 GGUF
+}
+EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "model")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            need = NEEDS_BY_FIXTURE.get(fixture)
+            if need is not None:
+                item.add_marker(need)
+        if any(item.get_closest_marker(need) for need in EXTERNAL_NEEDS):
+            item.add_marker("external")
 
 
 @pytest.fixture

