@@ -209,25 +209,36 @@ class KVPool:
         views = [byte_view(d) for d in datas]
         for view in views:
             self._check_size(ns, view, "data")
-        if self.durable_puts:
-            synced = self._write_durable([(k, ns, v) for k, v in zip(keys, views, strict=True)])
-            for key, view, on_ssd in zip(keys, views, synced, strict=True):
-                self._put_upper(ns, key, view, staged=on_ssd)
-            return sum(synced)
-        stored = 0
-        for key, view in zip(keys, views, strict=True):
-            staged = self._wb.offer(key, ns, view) if self._through and self._wb else False
-            stored += self._put_upper(ns, key, view, staged)
-        return stored
+        return self._store([(k, ns, v, None) for k, v in zip(keys, views, strict=True)])
 
-    def _put_upper(self, ns: Namespace, key: bytes, view: memoryview, staged: bool) -> bool:
-        """Hand a chunk to the cluster's write-behind and to DRAM. ``staged``: a lower tier
-        already has it (so a DRAM eviction needs no demotion). True if any tier took it."""
-        if self._remote is not None:
-            staged |= self._remote.offer(key, ns, view)
-        if self._dram is not None:
-            return self._dram.put(key, ns, view, on_lower=staged) or staged
-        return staged
+    def _store(self, items: Sequence[tuple[bytes, Namespace, memoryview,
+                                           SlotReservation | None]]) -> int:
+        """The one write path of ``put_many`` and ``commit_many``: the SSD first (written and
+        synced for durable puts, else offered to write-behind when writing through), then the
+        cluster's write-behind, then DRAM (a filled slot is published, otherwise a copy is
+        put). Returns how many count as stored: durable = synced; else held by any tier."""
+        lower = [(k, ns, v) for k, ns, v, _ in items]
+        if self.durable_puts:
+            on_ssd = self._write_durable(lower)
+        elif self._through and self._wb is not None:
+            wb = self._wb
+            on_ssd = [wb.offer(k, ns, v) for k, ns, v in lower]
+        else:
+            on_ssd = [False] * len(items)
+        stored = 0
+        for (key, ns, view, slot), staged in zip(items, on_ssd, strict=True):
+            on_lower = staged  # a lower tier has it: a DRAM eviction needs no demotion
+            if self._remote is not None:
+                on_lower |= self._remote.offer(key, ns, view)
+            held = on_lower
+            if slot is not None:
+                held = slot.commit() or on_lower
+                if on_lower and self._dram is not None:
+                    self._dram.mark_on_lower(key)
+            elif self._dram is not None:
+                held = self._dram.put(key, ns, view, on_lower=on_lower) or on_lower
+            stored += staged if self.durable_puts else held
+        return stored
 
     def _write_durable(self, items: Sequence[tuple[bytes, Namespace, memoryview]]) -> list[bool]:
         """Append the chunks the SSD does not hold yet and fdatasync (the engine is in
@@ -269,26 +280,8 @@ class KVPool:
         counts them. For durable puts this writes and syncs the records first (one sync per
         segment for the whole batch): call it where blocking on an fdatasync is fine, never
         on an event loop. Reservations already committed or aborted are skipped."""
-        todo = [r for r in reservations if r.take()]
-        if not todo:
-            return 0
-        if self.durable_puts:
-            staged = self._write_durable([(r.key, r.ns, r.view) for r in todo])
-        else:
-            staged = [self._through and self._wb is not None
-                      and self._wb.offer(r.key, r.ns, r.view) for r in todo]
-        stored = 0
-        for r, on_lower in zip(todo, staged, strict=True):
-            if r.slot is None:  # no DRAM tier: the scratch copy goes where a put would
-                stored += self._put_upper(r.ns, r.key, r.view, on_lower)
-                continue
-            if self._remote is not None:
-                on_lower |= self._remote.offer(r.key, r.ns, r.view)
-            in_dram = r.slot.commit()
-            if on_lower and self._dram is not None:
-                self._dram.mark_on_lower(r.key)
-            stored += on_lower if self.durable_puts else (in_dram or on_lower)
-        return stored
+        return self._store([(r.key, r.ns, r.view, r.slot)
+                            for r in reservations if r.take()])
 
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
