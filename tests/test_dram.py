@@ -17,14 +17,14 @@ SLAB = 4 * CHUNK  # four 64 KiB slots per slab
 
 
 class Recorder:
-    """Eviction hook that checks the victim's bytes while they are still valid."""
+    """Demotion sink that checks each victim's bytes while they are still valid."""
 
     def __init__(self) -> None:
         self.evicted: list[bytes] = []
         self.bad = 0
 
-    def __call__(self, key: bytes, ns: Namespace, view: memoryview, hits: int,
-                 on_lower: bool) -> None:
+    def demote(self, key: bytes, ns: Namespace, view: memoryview, hits: int,
+               on_lower: bool) -> None:
         self.evicted.append(key)
         if not np.array_equal(np.frombuffer(view, np.uint8), payload_for(key, view.nbytes)):
             self.bad += 1
@@ -70,7 +70,7 @@ def test_roundtrip_and_bad_buffers() -> None:
 def test_capacity_bound_and_exact_lru_victims() -> None:
     ns = byte_namespace()
     rec = Recorder()
-    tier = DramTier(SLAB, SLAB, "lru", on_evict=rec)
+    tier = DramTier(SLAB, SLAB, "lru", demote=rec)
     for i in range(4):
         tier.put(k(i), ns, payload_for(k(i)))
     out = np.zeros(CHUNK, np.uint8)
@@ -87,7 +87,7 @@ def test_capacity_bound_and_exact_lru_victims() -> None:
 def test_many_puts_stay_within_capacity_and_hook_sees_true_bytes() -> None:
     ns = byte_namespace()
     rec = Recorder()
-    tier = DramTier(2 * SLAB, SLAB, "s3fifo", on_evict=rec)
+    tier = DramTier(2 * SLAB, SLAB, "s3fifo", demote=rec)
     for i in range(100):
         assert tier.put(k(i), ns, payload_for(k(i)))
         assert tier.stats()["used_bytes"] <= 2 * SLAB
@@ -134,7 +134,7 @@ def test_all_pinned_put_is_dropped_not_blocked() -> None:
 def test_slab_is_stolen_for_a_new_size_class() -> None:
     small, big = byte_namespace(CHUNK), byte_namespace(2 * CHUNK, model="big")
     rec = Recorder()
-    tier = DramTier(2 * SLAB, SLAB, "lru", on_evict=rec)
+    tier = DramTier(2 * SLAB, SLAB, "lru", demote=rec)
     for i in range(8):
         tier.put(k(i), small, payload_for(k(i)))
     assert tier.put(k(100), big, payload_for(k(100), 2 * CHUNK))
@@ -149,7 +149,7 @@ def test_slab_is_stolen_for_a_new_size_class() -> None:
 def test_an_emptied_size_class_gives_its_slabs_to_a_growing_one() -> None:
     small, big = byte_namespace(CHUNK), byte_namespace(2 * CHUNK, model="big")
     rec = Recorder()
-    tier = DramTier(4 * SLAB, SLAB, "lru", on_evict=rec)
+    tier = DramTier(4 * SLAB, SLAB, "lru", demote=rec)
     for i in range(12):  # three slabs of small chunks
         tier.put(k(i), small, payload_for(k(i)))
     assert tier.invalidate(small.id) == 12

@@ -19,6 +19,7 @@ from kvpool import KVPool  # noqa: E402
 from kvpool.integrations.hf import PrefixCache, namespace_for  # noqa: E402
 from kvpool.keys import Namespace  # noqa: E402
 from kvpool.peers.file_pool import FilePerChunkPool  # noqa: E402
+from kvpool.tiers.ssd import SsdTier  # noqa: E402
 
 CHUNK_TOKENS = 32
 MiB = 1 << 20
@@ -118,8 +119,7 @@ def test_other_model_dtype_or_tenant_never_hits(model: Any, tmp_path: Path) -> N
 
 
 def _segment_offset_of(tmp_path: Path, pool: KVPool, ns: Namespace, key: bytes) -> Path:
-    eng = pool._ssd
-    assert eng is not None
+    eng = next(t.engine for t in pool._tiers if isinstance(t, SsdTier))
     loc = eng._index.get(key)
     assert loc is not None
     return Path(f"{pool.config.ssd_path()}/seg-{loc.segment:05d}.kvs"), loc.block * 4096
@@ -228,9 +228,10 @@ def test_window_narrower_than_the_prompt_is_not_saved(tmp_path: Path) -> None:
 
 
 class FailingPuts(StoreWrapper):
-    """A store whose puts raise: saving must not reach the caller."""
+    """A store whose writes raise (saves commit reserved slots): saving must not reach the
+    caller, and the reserved slots must come back."""
 
-    def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
+    def commit_many(self, reservations: Sequence[Any]) -> int:
         raise OSError(28, "No space left on device")
 
 

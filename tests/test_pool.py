@@ -163,13 +163,13 @@ def test_pin_many_gives_zero_copy_views_of_dram_chunks(tmp_path: Path) -> None:
         more = [k(200 + i) for i in range(16)]
         assert pool.put_many(ns, more, [payload_for(x) for x in more]) == 0
         assert pool.stats()["dram"]["dropped_puts"] == 16
-        assert all(pool._dram is not None and pool._dram.contains(x) for x in keys[4:])
+        assert all(pool._front is not None and pool._front.contains(x) for x in keys[4:])
         for v in views:
             if v is not None:
                 v.release()
         pool.put_many(ns, [k(300 + i) for i in range(16)],
                       [payload_for(k(300 + i)) for i in range(16)])
-        assert not any(pool._dram is not None and pool._dram.contains(x) for x in keys[4:])
+        assert not any(pool._front is not None and pool._front.contains(x) for x in keys[4:])
 
 
 def test_prefetch_lifts_ssd_chunks_into_dram(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ def test_kv_saved_on_one_pool_is_found_and_read_by_another(node: NodeProcess,
     assert b.get_many_into(ns, keys[:6], outs) == [True] * 6
     for key, out in zip(keys, outs, strict=False):
         assert np.array_equal(out, payload_for(key, CHUNK))
+    assert b.flush(10)  # promotions run in the background, off the read's path
     stats = b.stats()["pool"]
     assert stats["remote_hits"] == 6 and stats["promotions"] == 6
     # Promoted into b's DRAM: the second read is local.

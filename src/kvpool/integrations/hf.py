@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -43,7 +42,12 @@ class ChunkStore(Protocol):
     def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
                       outs: Sequence[Any]) -> list[bool]: ...
 
-    def put(self, ns: Namespace, key: bytes, data: Any) -> bool: ...
+    def reserve(self, ns: Namespace, key: bytes, wait: bool = True) -> Any:
+        """A reservation (``.view`` to fill, ``commit()``, ``abort()``), or True when the chunk
+        is already stored, False/None when there is no room (KVPool.reserve)."""
+        ...
+
+    def commit_many(self, reservations: Sequence[Any]) -> int: ...
 
     def flush(self, timeout: float | None = None) -> bool: ...
 
@@ -201,19 +205,30 @@ class PrefixCache:
     # ------------------------------------------------------------------ save
     def _save(self, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
               keys: list[bytes], first: int) -> int:
+        """Copy chunks ``first..`` of the cache straight into reserved slots of the store (one
+        copy per byte), then commit them as one batch."""
+        assert self.store is not None
         c = self.ns.chunk_tokens
-        span = slice(first * c, len(keys) * c)
-        # [L, 2, H, T_new, D] in one copy; each chunk is then one contiguous slice-copy
-        kv = torch.stack([torch.stack([k[0, :, span], v[0, :, span]]) for k, v in cache_layers])
+        shape = (self.layers, 2, self.kv_heads, c, self.head_dim)
         stored = 0
+        slots: list[Any] = []
         try:
-            for j, key in enumerate(keys[first:]):
-                chunk = kv[:, :, :, j * c:(j + 1) * c]
-                if self.store is not None and self.store.put(self.ns, key,
-                                                             payload_to_numpy(chunk)):
-                    stored += 1
+            for j, key in enumerate(keys[first:], start=first):
+                slot = self.store.reserve(self.ns, key)
+                if slot is None or isinstance(slot, bool):  # already stored / no room
+                    stored += bool(slot)
+                    continue
+                slots.append(slot)
+                dst = torch.frombuffer(slot.view, dtype=self.dtype).view(shape)
+                for layer, (k, v) in enumerate(cache_layers):
+                    dst[layer, 0].copy_(k[0, :, j * c:(j + 1) * c])
+                    dst[layer, 1].copy_(v[0, :, j * c:(j + 1) * c])
+            stored += self.store.commit_many(slots)
         except Exception as exc:  # a save never fails inference: the rest is dropped, counted
             log.warning("kvpool: saving chunks failed after %d: %s", stored, exc)
+        finally:
+            for slot in slots:
+                slot.abort()  # a no-op once committed
         with self._lock:
             self.saved_chunks += stored
             self.dropped_saves += (len(keys) - first) - stored
@@ -295,7 +310,3 @@ class PrefixCache:
         self.flush()
         self._saver.shutdown(wait=True)
 
-
-def payload_to_numpy(chunk: torch.Tensor) -> np.ndarray:
-    """Flat uint8 view of a contiguous tensor (no copy)."""
-    return chunk.contiguous().view(torch.uint8).numpy().reshape(-1)

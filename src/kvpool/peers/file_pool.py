@@ -11,11 +11,13 @@ from kvpool.buffers import byte_view
 from kvpool.errors import ChunkSizeError, UnknownNamespaceError
 from kvpool.keys import Namespace
 from kvpool.peers.file_per_chunk import FilePerChunkStore
+from kvpool.pool import ChunkReservation
 
 
 class FilePerChunkPool:
     """One FilePerChunkStore directory per namespace; same methods as KVPool that engine
-    integrations use (register_namespace, lookup, get_many_into, put, flush, stats, close).
+    integrations use (register_namespace, lookup, get_many_into, put, reserve, commit_many,
+    flush, stats, close).
     No DRAM tier and no checksum: every read goes to the file system."""
 
     def __init__(self, directory: str | Path, durable: bool = False) -> None:
@@ -59,6 +61,16 @@ class FilePerChunkPool:
     def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
         self._counters["puts"] += 1
         return self._store(ns).put(key, data)
+
+    def reserve(self, ns: Namespace, key: bytes, wait: bool = True) -> ChunkReservation:
+        """Room to fill in place, as KVPool.reserve; here a scratch buffer, written as one
+        file at commit."""
+        self._store(ns)
+        return ChunkReservation(ns, key, memoryview(bytearray(ns.chunk_bytes)), None,
+                                self.commit_many)
+
+    def commit_many(self, reservations: Sequence[ChunkReservation]) -> int:
+        return sum(self.put(r.ns, r.key, r.view) for r in reservations if r.take())
 
     def flush(self, timeout: float | None = None) -> bool:
         return True

@@ -118,3 +118,25 @@ def _open_direct(path: str) -> int | None:
         os.close(dfd)
         raise
     return dfd
+
+
+class AlignedBuffers:
+    """Reusable page-aligned buffers of ``nbytes`` (O_DIRECT reads land in them without a
+    bounce); thread-safe; keeps at most ``keep`` returned buffers for reuse."""
+
+    def __init__(self, nbytes: int, keep: int = 64) -> None:
+        self.nbytes = nbytes
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return np.frombuffer(aligned_buffer(self.nbytes), np.uint8, self.nbytes)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.buffers import byte_view
@@ -17,86 +16,21 @@ from kvpool.errors import ChunkSizeError, PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.policy import EvictionPolicy, make_eviction_policy
 from kvpool.tiers.arena import SlotArena
+from kvpool.tiers.base import DemotionSink, Item, local_lookup
+from kvpool.tiers.slots import PinnedView, SlotReservation, _Entry
 
-#: Called with (key, namespace, payload view, reads while resident, already on a lower tier)
-#: for every evicted chunk, outside the tier's lock; the view is valid only during the call.
-EvictHook = Callable[[bytes, Namespace, memoryview, int, bool], None]
-
-
-@dataclass(slots=True)
-class _Entry:
-    offset: int
-    slot_size: int
-    nbytes: int
-    ns: Namespace
-    hits: int = 0
-    pins: int = 0
-    on_lower: bool = False
-    doomed: bool = False  # deleted while pinned: free the slot at the last unpin
-
-
-class PinnedView:
-    """A zero-copy, read-only view of a DRAM slot. The slot cannot be evicted or reused until
-    ``release()`` (or the end of a ``with`` block); using ``data`` after that is a bug."""
-
-    __slots__ = ("_entry", "_released", "_tier", "data")
-
-    def __init__(self, tier: DramTier, entry: _Entry, data: memoryview) -> None:
-        self._tier, self._entry, self.data = tier, entry, data
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.data.release()
-            self._tier._unpin(self._entry)
-
-    def __enter__(self) -> PinnedView:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        self.release()
-
-
-class SlotReservation:
-    """A DRAM slot taken by ``DramTier.reserve`` and being filled in place through ``view``.
-    Exactly one of ``commit()`` (publish the chunk) or ``abort()`` (free the slot) must follow;
-    both are idempotent, and a reservation dropped without either frees its slot when
-    collected."""
-
-    __slots__ = ("_done", "_entry", "_key", "_tier", "view")
-
-    def __init__(self, tier: DramTier, key: bytes, entry: _Entry, view: memoryview) -> None:
-        self._tier, self._key, self._entry, self.view = tier, key, entry, view
-        self._done = False
-
-    def commit(self) -> bool:
-        """Publish the chunk (True). Its bytes must be complete: readers see them at once."""
-        if self._done:
-            return True
-        self._done = True
-        self.view.release()
-        return self._tier._commit(self._key, self._entry)
-
-    def abort(self) -> None:
-        """Give the slot back without publishing anything."""
-        if not self._done:
-            self._done = True
-            self.view.release()
-            self._tier._abort(self._entry)
-
-    def __del__(self) -> None:
-        self.abort()
+__all__ = ["DramTier", "PinnedView", "SlotReservation"]
 
 
 class DramTier:
-    """Thread-safe. Raises ValueError for a bad geometry (see SlotArena)."""
+    """Thread-safe. Raises ValueError for a bad geometry (see SlotArena). Evicted chunks go to
+    ``demote`` (the pool gives it a Demoter writing to the tiers below), outside the lock."""
+
+    name: str = "dram"
+    stats_key: tuple[str, ...] = ("dram",)
 
     def __init__(self, capacity: int, slab_size: int = 64 << 20, eviction: str = "s3fifo",
-                 shm_path: str | None = None, on_evict: EvictHook | None = None,
+                 shm_path: str | None = None, demote: DemotionSink | None = None,
                  put_wait_s: float = 1.0, prefault: bool = False) -> None:
         self._arena = SlotArena(capacity, slab_size, shm_path, prefault)
         self._eviction = eviction
@@ -106,7 +40,7 @@ class DramTier:
         self._doomed: dict[int, _Entry] = {}  # deleted while pinned, by slot offset
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._on_evict = on_evict
+        self._demote = demote
         self._put_wait_s = put_wait_s
         self._closed = False
         self._counters: dict[str, int] = dict.fromkeys(
@@ -120,6 +54,9 @@ class DramTier:
     def check_chunk_size(self, nbytes: int) -> None:
         """Raises ValueError if a chunk of ``nbytes`` can never fit this arena."""
         self._arena.slot_size_for(nbytes)
+
+    def register_namespace(self, ns: Namespace) -> None:
+        self.check_chunk_size(ns.chunk_bytes)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -143,6 +80,9 @@ class DramTier:
             return bool(reservation)
         reservation.view[:] = view
         return reservation.commit()
+
+    def put_many(self, items: Sequence[Item]) -> list[bool]:
+        return [self.put(key, ns, view) for key, ns, view in items]
 
     def reserve(self, key: bytes, ns: Namespace, nbytes: int, on_lower: bool = False,
                 wait: bool = True) -> SlotReservation | bool | None:
@@ -245,12 +185,13 @@ class DramTier:
         return False
 
     def _hand_over(self, evicted: list[tuple[bytes, _Entry]]) -> None:
-        """Show evicted chunks to the hook (demotion) outside the lock, then free pinned ones.
-        A stolen slab's victims are copied before this thread writes into the slab."""
+        """Hand evicted chunks to the demotion sink, outside the lock (a stolen slab's victims
+        are shown before this thread writes into the slab)."""
+        if self._demote is None:
+            return
         for key, entry in evicted:
-            if self._on_evict is not None:
-                self._on_evict(key, entry.ns, self._arena.view(entry.offset, entry.nbytes),
-                               entry.hits, entry.on_lower)
+            self._demote.demote(key, entry.ns, self._arena.view(entry.offset, entry.nbytes),
+                                entry.hits, entry.on_lower)
 
     def _release_slot(self, entry: _Entry) -> None:
         self._arena.free(entry.slot_size, entry.offset)
@@ -301,6 +242,11 @@ class DramTier:
             self._unpin(entry)
         return True
 
+    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                      outs: Sequence[memoryview]) -> list[bool]:
+        """``get_into`` per key, under ``ns``."""
+        return [self.get_into(key, out, ns.id) for key, out in zip(keys, outs, strict=True)]
+
     def view(self, key: bytes, namespace_id: bytes | None = None,
              count_miss: bool = True) -> PinnedView | None:
         """Zero-copy read view that pins the slot until released; None on a miss (as for
@@ -325,6 +271,9 @@ class DramTier:
             get = self._entries.get
             return [(e := get(k)) is not None and e.ns.id == namespace_id for k in keys]
 
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        return local_lookup(self.contains_many, keys, ns.id)
+
     # ------------------------------------------------------------------ removal
     def _drop_locked(self, key: bytes) -> bool:
         entry = self._entries.pop(key, None)
@@ -338,13 +287,13 @@ class DramTier:
             self._release_slot(entry)
         return True
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes, ns: Namespace | None = None) -> bool:
         """Remove a chunk; a pinned one disappears now and frees its slot when released."""
         with self._lock:
             self._check_open()
             return self._drop_locked(key)
 
-    def invalidate(self, namespace_id: bytes) -> int:
+    def invalidate(self, namespace_id: bytes, ns: Namespace | None = None) -> int:
         with self._lock:
             self._check_open()
             doomed = [k for k, e in self._entries.items() if e.ns.id == namespace_id]
@@ -365,6 +314,9 @@ class DramTier:
             out.update(entries=len(self._entries), used_bytes=used,
                        capacity_bytes=self._arena.capacity, eviction=self._eviction)
             return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True  # nothing queued: evictions are handed over as they happen
 
     def close(self) -> None:
         """Release the arena; later calls raise PoolClosedError. Idempotent."""
@@ -387,3 +339,6 @@ class DramTier:
             entry.hits += 1
             self._policy(entry.slot_size).touch(key)
             return True
+
+    def touch_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.touch(key) for key in keys]

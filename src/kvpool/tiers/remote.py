@@ -1,9 +1,7 @@
-"""The remote tier of a KVPool: the storage-node cluster behind its own write-behind queue.
-
-Saves are staged (one copy) and sent to the nodes by a worker thread in batches, so an
-engine's save never waits on the network; when staging is full the save is dropped and
-counted. Reads and prefix lookups go to the nodes synchronously (one batched request per
-node, in parallel). Any node fault is a miss (see ClusterClient).
+"""The storage-node cluster as a pool tier. Reads and prefix lookups go to the nodes
+synchronously (one batched request per node, in parallel); a pool puts through a WriteBehind
+above this tier, so an engine's save never waits on the network. Any node fault is a miss
+(see ClusterClient).
 """
 
 from __future__ import annotations
@@ -15,31 +13,22 @@ from kvpool.cluster.membership import Membership
 from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace
 from kvpool.net.client import ClusterClient
-from kvpool.writebehind import WriteBehind
+from kvpool.tiers.base import Item
 
 
 class RemoteTier:
-    def __init__(self, cfg: ClusterConfig, batch: int = 16,
-                 membership: Membership | None = None) -> None:
+    name: str = "remote"
+    stats_key: tuple[str, ...] = ("remote", "client")
+
+    def __init__(self, cfg: ClusterConfig, membership: Membership | None = None) -> None:
         self.client = ClusterClient(cfg, membership)
-        self._wb = WriteBehind(self.client, cfg.write_behind_bytes, batch, name="cluster")
 
     def register_namespace(self, ns: Namespace) -> None:
         """Raises AuthError if the nodes refuse this client's token for the namespace."""
         self.client.register_namespace(ns)
 
-    def offer(self, key: bytes, ns: Namespace, data: Any) -> bool:
-        return self._wb.offer(key, ns, data)
-
-    def staged_get_into(self, key: bytes, out: memoryview,
-                        namespace_id: bytes | None = None) -> bool:
-        return self._wb.get_into(key, out, namespace_id)
-
-    def staged(self, key: bytes, namespace_id: bytes | None = None) -> bool:
-        return self._wb.contains(key, namespace_id)
-
-    def staged_many(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bool]:
-        return self._wb.contains_many(keys, namespace_id)
+    def contains_many(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bool]:
+        return [False] * len(keys)  # only the nodes know: see lookup
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return self.client.exists_prefix(ns, keys)
@@ -48,23 +37,27 @@ class RemoteTier:
                       outs: Sequence[memoryview]) -> list[bool]:
         return self.client.get_many_into(ns, keys, outs)
 
-    def delete(self, ns: Namespace, key: bytes) -> bool:
-        self._wb.discard(key)
-        self._wb.flush()
+    def put_many(self, items: Sequence[Item]) -> list[bool]:
+        """Sends now, waiting for the nodes; True per chunk only if all of them were stored
+        (ClusterClient counts chunks, not which)."""
+        stored = self.client.put_many(items)
+        return [stored >= len(items)] * len(items)
+
+    def delete(self, key: bytes, ns: Namespace) -> bool:
         return self.client.delete(ns, [key]) > 0
 
-    def invalidate(self, ns: Namespace) -> int:
-        self._wb.discard_namespace(ns.id)
-        self._wb.flush()
-        return self.client.invalidate(ns)
+    def invalidate(self, namespace_id: bytes, ns: Namespace | None) -> int:
+        # Nodes need the namespace itself (its tenant is checked); an unknown id is a no-op.
+        return self.client.invalidate(ns) if ns is not None else 0
+
+    def touch_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [False] * len(keys)  # nodes learn recency from reads and replica touches
 
     def flush(self, timeout: float | None = None) -> bool:
-        return self._wb.flush(timeout)
+        return True
 
     def stats(self) -> dict[str, Any]:
-        return {"client": self.client.stats(), "write_behind": self._wb.stats()}
+        return self.client.stats()
 
     def close(self) -> None:
-        """Send what is staged (nodes that are down drop it), then close connections."""
-        self._wb.close()
         self.client.close()

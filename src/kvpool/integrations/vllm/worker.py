@@ -13,11 +13,14 @@ serves the scheduler's lookups.
   the end of its request: those blocks are reported by ``take_load_errors`` and vLLM
   recomputes them, and the request's saves in that step are dropped (they would hold KV
   computed on top of a bad prefix).
-* **Save** (``save_layer``): right after a layer's attention wrote its KV, its pages of the
-  chunks to store are gathered into page-aligned staging buffers (a memory copy; the engine's
-  blocks are free to be reused after the step). ``end_step`` hands finished chunks to one
-  background thread that puts them into the pool, so inference never waits for a slow tier.
-  Staging is bounded by ``save_queue_bytes``: beyond it a save is dropped and counted.
+* **Save** (``save_layer``): at layer 0 a DRAM slot is reserved in the pool for every chunk
+  to store (``KVPool.reserve``, never waiting: no slot means a counted drop); right after each
+  layer's attention wrote its KV, its pages are gathered straight into those slots (the one
+  copy between the engine and the pool). ``end_step`` hands the filled reservations to one
+  background thread that commits them (``KVPool.commit_many``: published in DRAM, offered to
+  the pool's write-behind, or written and synced for durable puts), so inference never waits
+  for a slow tier. Reservations not yet committed are bounded by ``pool.write_behind_bytes``;
+  beyond it a save is dropped and counted.
 
 Failure contract: loads and saves never raise into the engine for pool faults (a failed load
 is reported blocks, a failed save a counted drop). Misuse raises: ValueError from
@@ -47,37 +50,15 @@ from kvpool.integrations.vllm.plan import ReqTransfer
 from kvpool.integrations.vllm.settings import ConnectorSettings
 from kvpool.integrations.vllm.stats import StatsWriter
 from kvpool.keys import Namespace
-from kvpool.pool import KVPool
-from kvpool.ssd.directio import aligned_buffer
+from kvpool.pool import ChunkReservation, KVPool
+from kvpool.ssd.directio import AlignedBuffers
 from kvpool.tiers.dram import PinnedView
 
 log = logging.getLogger("kvpool.integrations.vllm")
 
-DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
-
-
-class _Buffers:
-    """Reusable page-aligned chunk buffers (O_DIRECT reads land in them without a bounce)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> np.ndarray:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return np.frombuffer(aligned_buffer(self.nbytes), np.uint8, self.nbytes)
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if len(self._free) < 64:
-                self._free.append(buf)
-
 
 class _Marker:
-    """A put-queue entry that only signals that everything queued before it was put."""
+    """A commit-queue entry that only signals that everything queued before it was committed."""
 
     def __init__(self, done: threading.Event) -> None:
         self.done = done
@@ -94,19 +75,19 @@ class _Fetched:
 
 
 class _PendingSave:
-    """One chunk being gathered: ``pages`` holds its engine block ids."""
+    """One chunk being gathered into its reserved pool slot: ``pages`` holds its engine block
+    ids, ``layers`` how many layers are in."""
 
-    __slots__ = ("buf", "key", "layers", "pages", "req_id")
+    __slots__ = ("layers", "pages", "req_id", "slot")
 
-    def __init__(self, req_id: str, key: bytes, pages: torch.Tensor, buf: np.ndarray) -> None:
-        self.req_id, self.key, self.pages, self.buf = req_id, key, pages, buf
+    def __init__(self, req_id: str, pages: torch.Tensor, slot: ChunkReservation) -> None:
+        self.req_id, self.pages, self.slot = req_id, pages, slot
         self.layers = 0
 
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, ident: EngineIdentity, tp_rank: int,
-                 tp_size: int, num_blocks: int | None = None,
-                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES) -> None:
+                 tp_size: int, num_blocks: int | None = None) -> None:
         self.settings = settings
         self.num_blocks = num_blocks
         self.ident = ident
@@ -117,7 +98,7 @@ class WorkerSide:
         self._kv: dict[str, torch.Tensor] = {}
         self._layer_pos: dict[str, int] = {}
         self._geom: PageGeometry | None = None
-        self._bufs: _Buffers | None = None
+        self._bufs: AlignedBuffers | None = None
         stats_path = settings.stats_path
         if stats_path and tp_rank > 0:
             stats_path = f"{stats_path}.tp{tp_rank}"
@@ -129,14 +110,16 @@ class WorkerSide:
         self._copied: list[bool] = []
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
-        # saves
-        self._save_budget = save_queue_bytes
+        # saves: reserved slots being filled, then committed by one thread
+        self._save_budget = self.pool.config.pool.write_behind_bytes
         self._save_bytes = 0
         self._save_lock = threading.Lock()
         self._pending: list[_PendingSave] = []
-        self._put_queue: queue.SimpleQueue[_PendingSave | _Marker | None] = queue.SimpleQueue()
-        self._putter = threading.Thread(target=self._put_loop, name="kvpool-save", daemon=True)
-        self._putter.start()
+        self._commits: queue.SimpleQueue[list[_PendingSave] | _Marker | None] = \
+            queue.SimpleQueue()
+        self._committer = threading.Thread(target=self._commit_loop, name="kvpool-save",
+                                           daemon=True)
+        self._committer.start()
         self._closed = False
 
     # ---------------------------------------------------------------- set-up
@@ -150,7 +133,7 @@ class WorkerSide:
         self._kv = views
         self._geom, self.ns = geom, ns
         self._layer_pos = {name: i for i, name in enumerate(geom.layer_names)}
-        self._bufs = _Buffers(ns.chunk_bytes)
+        self._bufs = AlignedBuffers(ns.chunk_bytes)
         self.server = LookupServer(self._lookup)
         self.stats.set_info("namespace", ns.canonical())
         self.stats.write(force=True)
@@ -298,7 +281,7 @@ class WorkerSide:
         kv = self._kv[layer_name]  # block-first view of ``kv_layer`` (same memory)
         for p in self._pending:
             if p.layers == pos:
-                dst = self._pages(p.buf)[pos]  # this layer's slice of the chunk payload
+                dst = self._pages(p.slot.view)[pos]  # this layer's slice of the slot
                 if kv.device == dst.device:
                     torch.index_select(kv, 0, p.pages, out=dst)
                 else:  # accelerator: gather on the device, then one device-to-host copy
@@ -307,7 +290,8 @@ class WorkerSide:
         self.stats.add(save_gather_us=int((time.perf_counter() - start) * 1e6))
 
     def _begin_saves(self, stores: Sequence[ReqTransfer]) -> None:
-        assert self._bufs is not None and self.ns is not None
+        assert self.ns is not None
+        ns = self.ns
         self._fetched()  # a failed load must be known before its request's saves
         self._drop_pending()
         dropped = 0
@@ -316,70 +300,79 @@ class WorkerSide:
                 dropped += len(req.chunks)
                 continue
             for chunk in req.chunks:
-                if self.pool.contains(self.ns, chunk.keys[self.tp_rank]):
-                    continue  # already stored (e.g. a prompt's last full chunk on a hit)
                 with self._save_lock:
-                    ok = self._save_bytes + self._bufs.nbytes <= self._save_budget
+                    ok = self._save_bytes + ns.chunk_bytes <= self._save_budget
                     if ok:
-                        self._save_bytes += self._bufs.nbytes
-                if not ok:
-                    dropped += 1
+                        self._save_bytes += ns.chunk_bytes
+                # Never waits: no free slot now (every one pinned) is a dropped save.
+                slot = self.pool.reserve(ns, chunk.keys[self.tp_rank], wait=False) \
+                    if ok else False
+                if isinstance(slot, ChunkReservation):
+                    ids = torch.tensor(chunk.block_ids, dtype=torch.long)
+                    self._pending.append(_PendingSave(req.req_id, ids, slot))
                     continue
-                ids = torch.tensor(chunk.block_ids, dtype=torch.long)
-                self._pending.append(_PendingSave(req.req_id, chunk.keys[self.tp_rank], ids,
-                                                  self._bufs.take()))
+                if ok:
+                    self._unbook(1)
+                if slot is not True:  # True: already stored (e.g. a prompt's last full chunk)
+                    dropped += 1
         if dropped:
             self.stats.add(dropped_chunks=dropped)
 
     def _drop_pending(self) -> None:
         for p in self._pending:
-            self._release(p)
+            p.slot.abort()
+        self._unbook(len(self._pending))
         if self._pending:
             self.stats.add(dropped_chunks=len(self._pending))
         self._pending = []
 
-    def _release(self, p: _PendingSave) -> None:
-        assert self._bufs is not None
-        self._bufs.give(p.buf)
+    def _unbook(self, chunks: int) -> None:
+        assert self.ns is not None
         with self._save_lock:
-            self._save_bytes -= self._bufs.nbytes
+            self._save_bytes -= chunks * self.ns.chunk_bytes
 
     def end_step(self) -> None:
-        """After the forward: queue every fully gathered chunk for the pool; drop the rest
+        """After the forward: hand every fully gathered chunk to the committer; drop the rest
         (a step that skipped layers). Never waits for the pool."""
         self._finish_load()
         complete = len(self._layer_pos)
+        done = [p for p in self._pending
+                if p.layers == complete and p.req_id not in self._failed_reqs]
         for p in self._pending:
-            if p.layers == complete and p.req_id not in self._failed_reqs:
-                self._put_queue.put(p)
-            else:
-                self._release(p)
-                self.stats.add(dropped_chunks=1)
+            if p not in done:
+                p.slot.abort()
+        if len(done) < len(self._pending):
+            self._unbook(len(self._pending) - len(done))
+            self.stats.add(dropped_chunks=len(self._pending) - len(done))
+        if done:
+            self._commits.put(done)
         self._pending = []
         self._failed_reqs.clear()
         self.stats.write()
 
-    def _put_loop(self) -> None:
+    def _commit_loop(self) -> None:
         while True:
-            p = self._put_queue.get()
-            if p is None:
+            batch = self._commits.get()
+            if batch is None:
                 return
-            if isinstance(p, _Marker):
-                p.done.set()
+            if isinstance(batch, _Marker):
+                batch.done.set()
                 continue
             try:
-                assert self.ns is not None
-                ok = self.pool.put(self.ns, p.key, p.buf)
+                stored = self.pool.commit_many([p.slot for p in batch])
             except Exception:
                 log.exception("kvpool save failed; dropped")
-                ok = False
-            self.stats.add(stored_chunks=int(ok), dropped_chunks=int(not ok))
-            self._release(p)
+                stored = 0
+            finally:
+                for p in batch:
+                    p.slot.abort()  # a no-op once committed
+                self._unbook(len(batch))
+            self.stats.add(stored_chunks=stored, dropped_chunks=len(batch) - stored)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued saves reached the pool and the pool's write-behind drained."""
         done = threading.Event()
-        self._put_queue.put(_Marker(done))
+        self._commits.put(_Marker(done))
         if not done.wait(timeout):
             return False
         return self.pool.flush(timeout)
@@ -390,8 +383,9 @@ class WorkerSide:
             return
         self._closed = True
         self._finish_load()
-        self._put_queue.put(None)
-        self._putter.join()
+        self._drop_pending()
+        self._commits.put(None)
+        self._committer.join()
         self._loader.shutdown(wait=True)
         if self.server is not None:
             self.server.close()

@@ -1,9 +1,11 @@
-"""Bounded write-behind to a slower tier (the SSD engine, or the storage-node cluster).
+"""Bounded write-behind to a slower tier (the SSD engine, or the storage-node cluster): a tier
+of its own, placed above the tier it feeds, so a pool reads staged chunks like any other.
 
-``offer`` copies a chunk into a staging buffer and returns at once; a worker thread writes
-staged chunks to SSD in batches. When the staged bytes would exceed the budget the offer is
-refused and counted as a dropped save: the caller (inference) never waits for the SSD. Staged
-chunks are readable (``get_into``) until written, so a just-evicted chunk is not a miss.
+``offer`` (``put_many``) copies a chunk into a staging buffer and returns at once; a worker
+thread writes staged chunks to the sink in batches. When the staged bytes would exceed the
+budget the offer is refused and counted as a dropped save: the caller (inference) never waits
+for the SSD. Staged chunks are readable (``get_into``) until written, so a just-evicted chunk
+is not a miss.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvpool.buffers import byte_view
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.ssd.directio import aligned_buffer
+from kvpool.tiers.base import Item, local_lookup
 
 log = logging.getLogger("kvpool.writebehind")
 
@@ -37,10 +40,15 @@ class BatchSink(Protocol):
 
 
 class WriteBehind:
+    """``label`` names the sink in thread names and logs; ``stats_key`` places the stats."""
+
+    name: str = "staged"
+
     def __init__(self, sink: BatchSink, max_bytes: int, batch: int = 16,
-                 name: str = "ssd") -> None:
+                 label: str = "ssd", stats_key: tuple[str, ...] = ("write_behind",)) -> None:
         self._sink = sink
-        self._name = name
+        self._name = label
+        self.stats_key = stats_key
         self._max_bytes = max_bytes
         self._batch = batch
         self._lock = threading.Lock()
@@ -51,7 +59,7 @@ class WriteBehind:
         self._allocated = 0
         self._closed = False
         self._counters = dict.fromkeys(("offered", "written", "dropped", "write_errors"), 0)
-        self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{name}",
+        self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{label}",
                                         daemon=True)
         self._worker.start()
 
@@ -91,6 +99,12 @@ class WriteBehind:
             self._cond.notify_all()
         return True
 
+    def put_many(self, items: Sequence[Item]) -> list[bool]:
+        return [self.offer(key, ns, view) for key, ns, view in items]
+
+    def register_namespace(self, ns: Namespace) -> None:
+        pass  # staging holds chunks of any size that its sink accepts
+
     def _find(self, key: bytes, namespace_id: bytes | None) -> _Staged | None:
         """The staged chunk, if any (and, given ``namespace_id``, only if it was staged
         under that namespace); lock held."""
@@ -109,6 +123,16 @@ class WriteBehind:
             out[:] = staged.buffer[:staged.nbytes]
             return True
 
+    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                      outs: Sequence[memoryview]) -> list[bool]:
+        return [self.get_into(key, out, ns.id) for key, out in zip(keys, outs, strict=True)]
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        return local_lookup(self.contains_many, keys, ns.id)
+
+    def touch_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [False] * len(keys)  # staged chunks leave soon: recency means nothing here
+
     def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
         with self._lock:
             return self._find(key, namespace_id) is not None
@@ -124,6 +148,21 @@ class WriteBehind:
             staged = self._queue.pop(key, None)
             if staged is not None:
                 self._spare[len(staged.buffer)].append(staged.buffer)
+
+    def delete(self, key: bytes, ns: Namespace) -> bool:
+        """Forget a staged chunk; one already being written lands first, so a tombstone
+        the sink writes next follows it. True if it was staged."""
+        held = self.contains(key)
+        self.discard(key)
+        self.flush()
+        return held
+
+    def invalidate(self, namespace_id: bytes, ns: Namespace | None) -> int:
+        """Forget the namespace's staged chunks (none of them is counted: the sink's
+        invalidation counts its own copies), after the ones being written landed."""
+        self.discard_namespace(namespace_id)
+        self.flush()
+        return 0
 
     def discard_namespace(self, namespace_id: bytes) -> None:
         with self._lock:

@@ -1,0 +1,42 @@
+"""Argument checks of the pool's public API: misuse raises a clear error before any tier is
+touched (ArgumentError for wrong types, ChunkSizeError for wrong buffer sizes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.errors import ArgumentError, ChunkSizeError
+from kvpool.keys import KEY_BYTES, Namespace
+
+
+def check_namespace_type(ns: object) -> None:
+    if not isinstance(ns, Namespace):
+        raise ArgumentError(f"ns must be a kvpool Namespace (register_namespace(Namespace("
+                            f"...))), got {type(ns).__name__}")
+
+
+def check_key(key: bytes, what: str = "key") -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        got = (f"{len(key)} bytes" if isinstance(key, bytes | bytearray | memoryview)
+               else type(key).__name__)
+        raise ArgumentError(f"{what} must be a chunk key of {KEY_BYTES} bytes, got {got}")
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    if isinstance(keys, bytes | bytearray | memoryview | str) or not isinstance(keys, Sequence):
+        raise ArgumentError(f"keys must be a sequence of {KEY_BYTES}-byte chunk keys "
+                            f"(e.g. ns.chunk_keys(tokens)), got {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            check_key(key, f"keys[{i}]")
+
+
+def check_same_length(keys: Sequence[bytes], others: Sequence[object], what: str) -> None:
+    if len(keys) != len(others):
+        raise ArgumentError(f"keys ({len(keys)}) and {what} ({len(others)}) differ in length")
+
+
+def check_size(ns: Namespace, view: memoryview, what: str) -> None:
+    if view.nbytes != ns.chunk_bytes:
+        raise ChunkSizeError(f"{what} has {view.nbytes} bytes; namespace {ns.model!r} "
+                             f"chunks have {ns.chunk_bytes}")
