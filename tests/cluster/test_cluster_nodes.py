@@ -15,7 +15,7 @@ import pytest
 from kvtest import byte_namespace, payload_for
 from node_process import NodeProcess
 
-from kvpool.cluster.membership import EtcdMembership
+from kvpool.cluster.etcd_membership import EtcdMembership
 from kvpool.config import ClusterConfig
 from kvpool.net.client import ClusterClient
 from kvpool.net.connection import NodeConnection

@@ -11,25 +11,81 @@ Failure model, the same for every call:
   the call is tried on the next endpoint; the endpoint that last worked is tried first;
 - when no endpoint answers, or etcd answers with an error, :class:`EtcdError` is raised with
   the endpoint(s), the gateway path and what went wrong.
+
+The types and JSON decoding live in :mod:`kvpool.cluster.etcd_wire`, the watch stream in
+:mod:`kvpool.cluster.etcd_watch`; this module re-exports what callers use.
+
+Why not etcd3gw (issue 10 item 8; etcd3gw 2.7.0, the latest on PyPI, read and run against the
+etcd of tests/cluster on 2026-12-01). It speaks the same gateway API, but lacks five things
+membership relies on, and a thin adapter cannot add them without rewriting what it wraps:
+
+1. Reads drop the store revision. ``get`` / ``get_prefix`` return the key-values only, not the
+   response header, so list-then-watch has a gap: ``EtcdMembership``
+   (:mod:`kvpool.cluster.etcd_membership`) reads the prefix and watches from that read's
+   revision + 1. Starting the watch "from now" loses the changes between the two calls;
+   starting after the highest ``mod_revision`` read has no answer for an empty prefix.
+   Getting the header back means posting to ``/kv/range`` by hand, which is what
+   :meth:`EtcdClient.range` does.
+2. A watch that ends is invisible. Events come from a futurist worker thread through a queue;
+   when the stream ends or fails (etcd killed, connection reset, ``created: false``, a bad
+   message) the worker's exception stays in a future nobody reads and the events iterator
+   blocks for ever: membership would freeze without a warning and never re-read. (Measured:
+   ``next()`` on the iterator still blocked 4 s after etcd was SIGKILLed.)
+3. No compaction handling. Watch messages with ``canceled`` / ``compact_revision`` are
+   skipped, so a watch from a compacted revision yields nothing, for ever, instead of telling
+   the caller to re-read. (Measured: blocked 3 s after a physical compaction.)
+4. No deadline on the watch. ``Watcher`` posts with ``stream=True`` and without the client's
+   timeout, so opening a watch on a paused (SIGSTOPped) member blocks the calling thread
+   indefinitely (measured: > 6 s with ``timeout=2``), and before ``watch()`` has returned its
+   cancel handle, so ``close()`` could not stop it; a silent stream has no read deadline
+   either, which the idle health check of a hung member needs.
+5. One endpoint per client (``host``, ``port``): failover over ``cluster.etcd`` would be a
+   wrapper retrying every call and every watch on the next endpoint (:meth:`EtcdClient.call`).
+
+Smaller: errors put the HTTP reason in the message and the gRPC body in ``detail_text``
+(``str(ConnectionFailedError())`` is empty; an unknown lease on revoke is
+``Etcd3Exception('Not Found')`` with code 5 inside a JSON string), so the one-line start errors
+and the lost-lease check would parse bodies again; ``_increment_last_byte`` decodes the prefix
+end as UTF-8 and ``_encode`` re-encodes it as latin-1, so a non-ASCII cluster name ("café")
+gets a range that also covers another cluster's keys ("caféx"). Its dependencies would be
+acceptable for core (requests, urllib3, idna, charset-normalizer, certifi, futurist,
+debtcollector, wrapt, pbr: pure-Python wheels, no torch; about 0.19 s to import) and are not
+the reason. A switch would hand only put and the lease calls (about 40 lines) to etcd3gw and
+keep the rest here: worse than either. Worth another look if etcd3gw returns the range header,
+ends its event iterator when the stream ends or is canceled, and bounds the watch request.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import http.client
 import json
-import socket
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-from kvpool.errors import KVPoolError
+from kvpool.cluster.etcd_watch import WatchStream
+from kvpool.cluster.etcd_wire import (
+    GRPC_NOT_FOUND,
+    GRPC_UNAVAILABLE,
+    EtcdError,
+    Event,
+    JSONDict,
+    KeyValue,
+    WatchResponse,
+    as_bytes,
+    b64,
+    describe,
+    error_message,
+    header_revision,
+    key_value,
+    parse_endpoint,
+    prefix_range_end,
+    to_int,
+)
 
 __all__ = [
+    "GRPC_NOT_FOUND",
+    "GRPC_UNAVAILABLE",
     "EtcdClient",
     "EtcdError",
     "Event",
@@ -38,160 +94,6 @@ __all__ = [
     "WatchStream",
     "prefix_range_end",
 ]
-
-# gRPC status codes etcd reports in error bodies; only "unavailable" moves on to the next
-# endpoint (no leader, member stopping), the rest are answers.
-GRPC_NOT_FOUND = 5
-GRPC_UNAVAILABLE = 14
-
-JSONDict = dict[str, Any]
-
-
-class EtcdError(KVPoolError):
-    """etcd could not be reached, or answered a request with an error.
-
-    ``endpoint`` is the endpoint that answered (``None`` when none did), ``code`` the gRPC
-    status code etcd reported (``None`` for transport failures).
-    """
-
-    def __init__(self, message: str, *, endpoint: str | None = None,
-                 code: int | None = None) -> None:
-        super().__init__(message)
-        self.endpoint = endpoint
-        self.code = code
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as etcd stores it. ``lease`` is 0 when the key has no lease."""
-
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class Event:
-    """A watch event: ``type`` is ``"PUT"`` or ``"DELETE"`` (a DELETE's ``kv.value`` is b"")."""
-
-    type: str
-    kv: KeyValue
-
-
-@dataclass(frozen=True)
-class WatchResponse:
-    """One message of a watch stream.
-
-    ``revision`` is the store revision the message was sent at. ``compact_revision`` is set
-    (with ``canceled``) when the requested start revision was already compacted away: the
-    watcher must re-read with a range and watch again from the range's revision.
-    """
-
-    revision: int
-    events: tuple[Event, ...]
-    created: bool
-    canceled: bool
-    compact_revision: int
-    cancel_reason: str
-
-
-@dataclass(frozen=True)
-class _Endpoint:
-    url: str
-    host: str
-    port: int
-
-
-def _parse_endpoint(endpoint: str) -> _Endpoint:
-    """``http://host:port`` (or bare ``host:port``) → _Endpoint; ValueError if malformed."""
-    text = endpoint.strip()
-    if "://" not in text:
-        text = "http://" + text
-    parts = urlsplit(text)
-    if parts.scheme != "http":
-        raise ValueError(f"etcd endpoint {endpoint!r}: only http:// endpoints are supported")
-    if not parts.hostname:
-        raise ValueError(f"etcd endpoint {endpoint!r}: no host")
-    try:
-        port = parts.port or 2379
-    except ValueError as exc:
-        raise ValueError(f"etcd endpoint {endpoint!r}: bad port") from exc
-    if parts.path not in ("", "/"):
-        raise ValueError(f"etcd endpoint {endpoint!r}: must not have a path")
-    host = parts.hostname
-    shown = f"[{host}]" if ":" in host else host
-    return _Endpoint(url=f"http://{shown}:{port}", host=host, port=port)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str | None) -> bytes:
-    return base64.b64decode(text) if text else b""
-
-
-def _as_bytes(key: bytes | str) -> bytes:
-    return key.encode("utf-8") if isinstance(key, str) else bytes(key)
-
-
-def prefix_range_end(prefix: bytes | str) -> bytes:
-    """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
-    data = bytearray(_as_bytes(prefix))
-    while data:
-        if data[-1] < 0xFF:
-            data[-1] += 1
-            return bytes(data)
-        data.pop()
-    return b"\x00"  # empty prefix (or all 0xff): etcd reads "\0" as "to the end"
-
-
-def _int(value: Any) -> int:
-    return int(value) if value not in (None, "") else 0
-
-
-def _kv(doc: JSONDict) -> KeyValue:
-    return KeyValue(
-        key=_unb64(doc.get("key")),
-        value=_unb64(doc.get("value")),
-        create_revision=_int(doc.get("create_revision")),
-        mod_revision=_int(doc.get("mod_revision")),
-        version=_int(doc.get("version")),
-        lease=_int(doc.get("lease")),
-    )
-
-
-def _revision(doc: JSONDict) -> int:
-    header = doc.get("header") or {}
-    return _int(header.get("revision"))
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
-
-
-def _error_message(doc: Any, raw: bytes) -> tuple[str, int | None]:
-    """(message, gRPC code) from a gateway error body, or the raw text if it is not JSON."""
-    if isinstance(doc, dict):
-        err = doc.get("error")
-        if isinstance(err, dict):  # streaming endpoints nest the error object
-            doc = err
-            err = doc.get("message")
-        message = doc.get("message") or err or raw[:200].decode("utf-8", "replace")
-        code = doc.get("code")
-        try:
-            return str(message), int(code) if code is not None else None
-        except (TypeError, ValueError):
-            return str(message), None
-    return raw[:200].decode("utf-8", "replace").strip() or "empty body", None
 
 
 class EtcdClient:
@@ -208,7 +110,7 @@ class EtcdClient:
             raise ValueError("etcd: no endpoints given")
         if timeout_s <= 0:
             raise ValueError("etcd: timeout_s must be > 0")
-        self._endpoints = [_parse_endpoint(e) for e in endpoints]
+        self._endpoints = [parse_endpoint(e) for e in endpoints]
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._preferred = 0
@@ -247,7 +149,7 @@ class EtcdClient:
                 raw = resp.read()
                 status = resp.status
             except (OSError, http.client.HTTPException) as exc:
-                failures.append(f"{ep.url}: {_describe(exc)}")
+                failures.append(f"{ep.url}: {describe(exc)}")
                 continue
             finally:
                 conn.close()
@@ -259,7 +161,7 @@ class EtcdClient:
                 self._worked(index)
                 result = doc.get("result")  # streaming endpoints (keepalive) wrap the answer
                 return result if isinstance(result, dict) else doc
-            message, code = _error_message(doc, raw)
+            message, code = error_message(doc, raw)
             if not isinstance(doc, dict):
                 failures.append(f"{ep.url}: HTTP {status}, not an etcd v3 JSON gateway "
                                 f"answer: {message!r}")
@@ -273,24 +175,24 @@ class EtcdClient:
 
     def put(self, key: bytes | str, value: bytes, lease: int = 0) -> int:
         """Store ``value`` at ``key`` (attached to ``lease`` if non-zero); the new revision."""
-        body: JSONDict = {"key": _b64(_as_bytes(key)), "value": _b64(value)}
+        body: JSONDict = {"key": b64(as_bytes(key)), "value": b64(value)}
         if lease:
             body["lease"] = str(lease)
-        return _revision(self.call("/v3/kv/put", body))
+        return header_revision(self.call("/v3/kv/put", body))
 
     def range(self, key: bytes | str, range_end: bytes | None = None, *,
               count_only: bool = False, limit: int = 0) -> tuple[list[KeyValue], int]:
         """Keys in ``[key, range_end)`` (just ``key`` when ``range_end`` is None), and the
         store revision they were read at."""
-        body: JSONDict = {"key": _b64(_as_bytes(key))}
+        body: JSONDict = {"key": b64(as_bytes(key))}
         if range_end is not None:
-            body["range_end"] = _b64(range_end)
+            body["range_end"] = b64(range_end)
         if count_only:
             body["count_only"] = True
         if limit:
             body["limit"] = str(limit)
         doc = self.call("/v3/kv/range", body)
-        return [_kv(kv) for kv in doc.get("kvs") or []], _revision(doc)
+        return [key_value(kv) for kv in doc.get("kvs") or []], header_revision(doc)
 
     def get(self, key: bytes | str) -> KeyValue | None:
         """The key's current value, or None if it does not exist."""
@@ -303,10 +205,10 @@ class EtcdClient:
 
     def delete(self, key: bytes | str, range_end: bytes | None = None) -> int:
         """Delete ``key`` (or ``[key, range_end)``); how many keys were deleted."""
-        body: JSONDict = {"key": _b64(_as_bytes(key))}
+        body: JSONDict = {"key": b64(as_bytes(key))}
         if range_end is not None:
-            body["range_end"] = _b64(range_end)
-        return _int(self.call("/v3/kv/deleterange", body).get("deleted"))
+            body["range_end"] = b64(range_end)
+        return to_int(self.call("/v3/kv/deleterange", body).get("deleted"))
 
     def delete_prefix(self, prefix: bytes | str) -> int:
         """Delete every key under ``prefix``; how many were deleted."""
@@ -315,14 +217,14 @@ class EtcdClient:
     def lease_grant(self, ttl_s: int) -> tuple[int, int]:
         """A new lease: ``(lease_id, ttl_s)``. etcd may raise a small TTL to its minimum."""
         doc = self.call("/v3/lease/grant", {"TTL": str(int(ttl_s))})
-        lease_id = _int(doc.get("ID"))
+        lease_id = to_int(doc.get("ID"))
         if not lease_id:
             raise EtcdError(f"etcd lease grant returned no lease id: {doc}")
-        return lease_id, _int(doc.get("TTL"))
+        return lease_id, to_int(doc.get("TTL"))
 
     def lease_keepalive(self, lease_id: int) -> int:
         """Refresh the lease once; its remaining TTL in seconds, 0 if the lease is gone."""
-        return _int(self.call("/v3/lease/keepalive", {"ID": str(lease_id)}).get("TTL"))
+        return to_int(self.call("/v3/lease/keepalive", {"ID": str(lease_id)}).get("TTL"))
 
     def lease_revoke(self, lease_id: int) -> bool:
         """Revoke the lease, deleting its keys at once; False if it did not exist."""
@@ -347,9 +249,9 @@ class EtcdClient:
         Connects to the first endpoint that accepts the stream; raises EtcdError if none does.
         The stream's first message has ``created=True``.
         """
-        create: JSONDict = {"key": _b64(_as_bytes(key))}
+        create: JSONDict = {"key": b64(as_bytes(key))}
         if range_end is not None:
-            create["range_end"] = _b64(range_end)
+            create["range_end"] = b64(range_end)
         if start_revision:
             create["start_revision"] = str(start_revision)
         body = json.dumps({"create_request": create}).encode("utf-8")
@@ -370,187 +272,3 @@ class EtcdClient:
     def watch_prefix(self, prefix: bytes | str, start_revision: int = 0) -> WatchStream:
         """:meth:`watch` on every key under ``prefix``."""
         return self.watch(prefix, prefix_range_end(prefix), start_revision)
-
-
-class WatchStream:
-    """One open ``/v3/watch`` stream: newline-delimited JSON over HTTP/1.1 chunked encoding.
-
-    Read with :meth:`next` from one thread; :meth:`close` may be called from any thread and
-    makes a blocked :meth:`next` return (raising EtcdError) at once. The socket is our own
-    rather than http.client's, so that a read timeout leaves the stream usable.
-    """
-
-    def __init__(self, endpoint: _Endpoint, body: bytes, timeout_s: float) -> None:
-        self.endpoint = endpoint.url
-        self._timeout_s = timeout_s
-        self._closed = False
-        self._raw = bytearray()    # bytes received, not yet de-chunked
-        self._body = bytearray()   # de-chunked body, not yet split into lines
-        self._chunk_left = 0       # bytes of the current chunk still in _raw's future
-        self._chunked = True
-        self._eof = False
-        try:
-            self._sock = socket.create_connection((endpoint.host, endpoint.port),
-                                                  timeout=timeout_s)
-        except OSError as exc:
-            raise EtcdError(f"{endpoint.url}: {_describe(exc)}", endpoint=None) from exc
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
-            request = (f"POST /v3/watch HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\n"
-                       "Content-Type: application/json\r\n"
-                       f"Content-Length: {len(body)}\r\n\r\n").encode("ascii") + body
-            self._sock.sendall(request)
-            self._read_headers(time.monotonic() + timeout_s)
-        except OSError as exc:
-            self.close()
-            raise EtcdError(f"{endpoint.url}: watch: {_describe(exc)}") from exc
-        except EtcdError:
-            self.close()
-            raise
-
-    def _recv(self, deadline: float) -> bool:
-        """Receive more bytes into _raw; False on timeout. Raises EtcdError on EOF/close."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        if self._closed:
-            raise EtcdError(f"etcd {self.endpoint} watch: closed")
-        try:
-            self._sock.settimeout(remaining)
-            data = self._sock.recv(65536)
-        except TimeoutError:
-            return False
-        except OSError as exc:
-            if self._closed:
-                raise EtcdError(f"etcd {self.endpoint} watch: closed") from exc
-            raise EtcdError(f"etcd {self.endpoint} watch: {_describe(exc)}",
-                            endpoint=self.endpoint) from exc
-        if not data:
-            self._eof = True
-            reason = "closed" if self._closed else "connection closed by etcd"
-            raise EtcdError(f"etcd {self.endpoint} watch: {reason}", endpoint=self.endpoint)
-        self._raw += data
-        return True
-
-    def _read_headers(self, deadline: float) -> None:
-        while b"\r\n\r\n" not in self._raw:
-            if len(self._raw) > 65536:
-                raise EtcdError(f"etcd {self.endpoint} watch: response headers too large")
-            if not self._recv(deadline):
-                raise EtcdError(f"etcd {self.endpoint} watch: timed out waiting for the "
-                                "response", endpoint=self.endpoint)
-        head, _, rest = bytes(self._raw).partition(b"\r\n\r\n")
-        self._raw = bytearray(rest)
-        lines = head.decode("latin-1").split("\r\n")
-        status_parts = lines[0].split(" ", 2)
-        if len(status_parts) < 2 or not status_parts[0].startswith("HTTP/"):
-            raise EtcdError(f"etcd {self.endpoint} watch: not an HTTP response: "
-                            f"{lines[0][:100]!r}", endpoint=self.endpoint)
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        if status_parts[1] != "200":
-            body = bytes(self._raw)
-            try:
-                doc: Any = json.loads(body) if body else None
-            except ValueError:
-                doc = None
-            message, code = _error_message(doc, body)
-            raise EtcdError(f"etcd {self.endpoint} /v3/watch failed: HTTP {status_parts[1]}: "
-                            f"{message}", endpoint=self.endpoint, code=code)
-
-    def _dechunk(self) -> None:
-        """Move whole or partial chunk data from _raw to _body."""
-        if not self._chunked:
-            self._body += self._raw
-            self._raw.clear()
-            return
-        while self._raw:
-            if self._chunk_left == 0:
-                end = self._raw.find(b"\r\n")
-                if end < 0:
-                    return
-                size_text = bytes(self._raw[:end]).split(b";", 1)[0].strip()
-                if not size_text:  # the CRLF that ends the previous chunk
-                    del self._raw[:end + 2]
-                    continue
-                try:
-                    size = int(size_text, 16)
-                except ValueError as exc:
-                    raise EtcdError(f"etcd {self.endpoint} watch: bad chunk header "
-                                    f"{size_text[:20]!r}", endpoint=self.endpoint) from exc
-                del self._raw[:end + 2]
-                if size == 0:
-                    raise EtcdError(f"etcd {self.endpoint} watch: stream ended by etcd",
-                                    endpoint=self.endpoint)
-                self._chunk_left = size
-            take = min(self._chunk_left, len(self._raw))
-            self._body += self._raw[:take]
-            del self._raw[:take]
-            self._chunk_left -= take
-
-    def next(self, timeout_s: float) -> WatchResponse | None:
-        """The next message, or None if none arrived within ``timeout_s``.
-
-        Raises EtcdError when the stream ends, the connection fails, the stream was closed, or
-        etcd sends an error message.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            newline = self._body.find(b"\n")
-            if newline >= 0:
-                line = bytes(self._body[:newline]).strip()
-                del self._body[:newline + 1]
-                if line:
-                    return self._parse(line)
-                continue
-            self._dechunk()
-            if b"\n" in self._body:
-                continue
-            if not self._recv(deadline):
-                return None
-
-    def _parse(self, line: bytes) -> WatchResponse:
-        try:
-            doc = json.loads(line)
-        except ValueError as exc:
-            raise EtcdError(f"etcd {self.endpoint} watch: bad message {line[:100]!r}",
-                            endpoint=self.endpoint) from exc
-        if not isinstance(doc, dict):
-            raise EtcdError(f"etcd {self.endpoint} watch: bad message {line[:100]!r}",
-                            endpoint=self.endpoint)
-        if "error" in doc:
-            message, code = _error_message(doc, line)
-            raise EtcdError(f"etcd {self.endpoint} watch failed: {message}",
-                            endpoint=self.endpoint, code=code)
-        result = doc.get("result") or {}
-        events = tuple(
-            Event(type=str(ev.get("type") or "PUT"), kv=_kv(ev.get("kv") or {}))
-            for ev in result.get("events") or []
-        )
-        return WatchResponse(
-            revision=_revision(result),
-            events=events,
-            created=bool(result.get("created")),
-            canceled=bool(result.get("canceled")),
-            compact_revision=_int(result.get("compact_revision")),
-            cancel_reason=str(result.get("cancel_reason") or ""),
-        )
-
-    def close(self) -> None:
-        """Close the stream; idempotent, callable from any thread."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-
-    def __enter__(self) -> WatchStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvpool.buffers import byte_view
-from kvpool.cluster.membership import EtcdMembership, Membership, StaticMembership
+from kvpool.cluster.etcd_membership import EtcdMembership
+from kvpool.cluster.membership import Membership, StaticMembership
 from kvpool.config import ClusterConfig
 from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError

@@ -239,7 +239,8 @@ class StorageNode:
         if not cluster.etcd:
             return None
         from kvpool.cluster.etcd import EtcdError
-        from kvpool.cluster.membership import NodeInfo, NodeRegistration
+        from kvpool.cluster.membership import NodeInfo
+        from kvpool.cluster.registration import NodeRegistration
         try:
             reg = NodeRegistration(cluster.etcd, cluster.name,
                                    NodeInfo(self.node_id, self.host, self.port),
