@@ -7,6 +7,7 @@ from kvtest import CHUNK, byte_namespace, payload_for, small_config
 from kvpool import KVPool
 from kvpool.errors import ChunkSizeError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import Namespace
+from kvpool.pool import ChunkReservation
 
 
 def k(i: int) -> bytes:
@@ -212,3 +213,22 @@ def test_a_read_after_a_failed_pin_counts_one_dram_miss(tmp_path: Path) -> None:
         dram = pool.stats()["dram"]
         assert dram["misses"] == len(absent) and dram["hits"] == len(present)
         assert pool.stats()["pool"]["misses"] == len(absent)
+
+
+def test_reserving_a_chunk_only_the_ssd_holds_says_stored_and_writes_nothing(
+        tmp_path: Path) -> None:
+    # An engine saving a prefix chunk that was demoted to SSD must not write it again.
+    ns = byte_namespace()
+    with KVPool(small_config(tmp_path, dram={"eviction": "lru"})) as pool:
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(24)]  # DRAM holds 16: the first 8 are demoted
+        assert pool.put_many(ns, keys, [payload_for(x) for x in keys]) == 24
+        assert pool.flush(10)
+        on_ssd_only = [x for x in keys if pool.pin_many(ns, [x])[0] is None]
+        assert len(on_ssd_only) == 8
+        writes = pool.stats()["ssd"]["puts"]
+        assert all(pool.reserve(ns, x) is True for x in on_ssd_only)
+        assert pool.flush(10) and pool.stats()["ssd"]["puts"] == writes
+        fresh = pool.reserve(ns, k(99))
+        assert isinstance(fresh, ChunkReservation)
+        fresh.abort()

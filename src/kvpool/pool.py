@@ -186,12 +186,20 @@ class KVPool:
         waited for a pinned slot. Same checks as ``put``."""
         self._registered(ns)
         check_key(key)
-        if self._front is None:
+        ack = self._stack.ack
+        if ack is not None:  # durable: stored means synced, whatever DRAM holds
+            stored = ack.contains_many([key], ns.id)[0]
+        else:
+            stored = self._held_locally(ns.id, [key], stop_at_miss=False)[0]
+        if stored:
+            return True
+        slot = self._front.reserve(key, ns, ns.chunk_bytes, wait=wait) \
+            if self._front is not None else True
+        if slot is None or slot is False:
+            return slot
+        if slot is True:  # no DRAM, or DRAM holds it but the acknowledging tier does not
             scratch = memoryview(bytearray(ns.chunk_bytes))
             return ChunkReservation(ns, key, scratch, None, self.commit_many)
-        slot = self._front.reserve(key, ns, ns.chunk_bytes, wait=wait)
-        if slot is None or isinstance(slot, bool):
-            return slot
         return ChunkReservation(ns, key, slot.view, slot, self.commit_many)
 
     def commit_many(self, reservations: Sequence[ChunkReservation]) -> int:
