@@ -21,13 +21,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvtest import byte_namespace, payload_for
 
 from kvpool import KVPool
 from kvpool.config import config_from_dict
 from kvpool.keys import Namespace
 from kvpool.pool import ChunkReservation
-
-from kvtest import byte_namespace, payload_for
 
 BIG, SMALL = 16 << 10, 8 << 10
 NAMESPACES = [byte_namespace(BIG, model="big"), byte_namespace(SMALL, model="small")]

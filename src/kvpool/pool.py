@@ -181,18 +181,27 @@ class KVPool:
         """Room for one chunk that the caller fills in place through ``.view`` (a storage
         node receives a PUT payload straight into a DRAM slot; an engine gathers its KV
         into one), then ``commit()`` (or ``commit_many``) or ``abort()``. Returns True instead
-        when the chunk is already stored, False when it was dropped for lack of room
-        (counted). With ``wait=False`` it never blocks and returns None where it would have
-        waited for a pinned slot. Same checks as ``put``."""
-        self._registered(ns)
+        when the chunk is already stored (in a durable pool: synced on the SSD), False when
+        it was dropped for lack of room (counted). With ``wait=False`` it never waits for a
+        slot and returns None where it would have waited for a pinned one. Same checks as
+        ``put``."""
         check_key(key)
+        return self.reserve_many(ns, [key], wait)[0]
+
+    def reserve_many(self, ns: Namespace, keys: Sequence[bytes],
+                     wait: bool = True) -> list[ChunkReservation | bool | None]:
+        """``reserve`` per key; the tiers are asked once for the batch whether they hold
+        the chunks already."""
+        self._registered(ns, keys)
         ack = self._stack.ack
-        if ack is not None:  # durable: stored means synced, whatever DRAM holds
-            stored = ack.contains_many([key], ns.id)[0]
-        else:
-            stored = self._held_locally(ns.id, [key], stop_at_miss=False)[0]
-        if stored:
-            return True
+        # Durable: stored means synced, whatever DRAM holds.
+        stored = ack.contains_many(keys, ns.id) if ack is not None \
+            else self._held_locally(ns.id, keys, stop_at_miss=False)
+        return [True if held else self._reserve_slot(ns, key, wait)
+                for key, held in zip(keys, stored, strict=True)]
+
+    def _reserve_slot(self, ns: Namespace, key: bytes,
+                      wait: bool) -> ChunkReservation | bool | None:
         slot = self._front.reserve(key, ns, ns.chunk_bytes, wait=wait) \
             if self._front is not None else True
         if slot is None or slot is False:

@@ -299,22 +299,21 @@ class WorkerSide:
             if req.req_id in self._failed_reqs:
                 dropped += len(req.chunks)
                 continue
-            for chunk in req.chunks:
-                with self._save_lock:
-                    ok = self._save_bytes + ns.chunk_bytes <= self._save_budget
-                    if ok:
-                        self._save_bytes += ns.chunk_bytes
-                # Never waits: no free slot now (every one pinned) is a dropped save.
-                slot = self.pool.reserve(ns, chunk.keys[self.tp_rank], wait=False) \
-                    if ok else False
+            with self._save_lock:
+                room = min(len(req.chunks),
+                           (self._save_budget - self._save_bytes) // ns.chunk_bytes)
+                self._save_bytes += room * ns.chunk_bytes
+            # Never waits: no free slot now (every one pinned) is a dropped save.
+            slots = self.pool.reserve_many(ns, [c.keys[self.tp_rank] for c in req.chunks[:room]],
+                                           wait=False)
+            for chunk, slot in zip(req.chunks, slots, strict=False):
                 if isinstance(slot, ChunkReservation):
                     ids = torch.tensor(chunk.block_ids, dtype=torch.long)
                     self._pending.append(_PendingSave(req.req_id, ids, slot))
                     continue
-                if ok:
-                    self._unbook(1)
-                if slot is not True:  # True: already stored (e.g. a prompt's last full chunk)
-                    dropped += 1
+                self._unbook(1)
+                dropped += slot is not True  # True: already stored (a prompt's last chunk)
+            dropped += len(req.chunks) - room
         if dropped:
             self.stats.add(dropped_chunks=dropped)
 
