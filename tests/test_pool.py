@@ -30,6 +30,7 @@ def test_put_get_lookup_across_tiers(tmp_path: Path) -> None:
         for x in keys:
             got = read(pool, ns, x)
             assert got is not None and np.array_equal(got, payload_for(x))
+        pool.flush()  # promotions run in the background
         stats = pool.stats()
         assert stats["pool"]["ssd_hits"] > 0 and stats["pool"]["promotions"] > 0
         assert stats["dram"]["used_bytes"] <= stats["dram"]["capacity_bytes"]
@@ -232,3 +233,28 @@ def test_reserving_a_chunk_only_the_ssd_holds_says_stored_and_writes_nothing(
         fresh = pool.reserve(ns, k(99))
         assert isinstance(fresh, ChunkReservation)
         fresh.abort()
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_an_ssd_hit_is_promoted_in_the_background_only_if_asked(tmp_path: Path,
+                                                                 promote: bool) -> None:
+    ns = byte_namespace()
+    cfg = small_config(tmp_path, dram={"eviction": "lru"}, pool={"promote_on_hit": promote})
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(20)]  # DRAM holds 16: the first 4 go to SSD
+        pool.put_many(ns, keys, [payload_for(x) for x in keys])
+        assert pool.flush(10)
+        outs = [np.zeros(CHUNK, np.uint8) for _ in range(4)]
+        assert pool.get_many_into(ns, keys[:4], outs) == [True] * 4
+        assert all(np.array_equal(o, payload_for(x)) for o, x in zip(outs, keys, strict=False))
+        assert pool.flush(10)
+        pins = pool.pin_many(ns, keys[:4])
+        assert [p is not None for p in pins] == [promote] * 4
+        for pin, key in zip(pins, keys, strict=False):
+            if pin is not None:
+                assert np.array_equal(np.frombuffer(pin.data, np.uint8), payload_for(key))
+                pin.release()
+        stats = pool.stats()["pool"]
+        assert stats["ssd_hits"] == 4  # the promotion's own reads are not counted as hits
+        assert stats["promotions"] == (4 if promote else 0)
