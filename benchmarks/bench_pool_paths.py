@@ -28,15 +28,18 @@ from kvpool.config import config_from_dict
 from kvpool.keys import KVLayout, Namespace
 from kvpool.pool import KVPool
 from kvpool.ssd.engine import SsdEngine
-work, chunk, n, batch, loads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+work = sys.argv[1]
+chunk, n, batch, loads = (int(a) for a in sys.argv[2:6])
 ns = Namespace("bench", KVLayout("uint8", 1, 1, chunk, 1, kv_factor=1))
 rng = np.random.default_rng(7)
 datas = [rng.integers(0, 256, chunk, dtype=np.uint8) for _ in range(64)]
 keys = [i.to_bytes(8, "little") * 2 for i in range(n)]
 dram = max(8 << 20, (n // 8) * chunk)  # an eighth of the chunks fit in DRAM
-cfg = config_from_dict({"cache_dir": work + "/pool", "dram": {"capacity": dram, "slab_size": 4 << 20},
-                        "ssd": {"capacity": (n * (chunk + 4096) * 2 // (32 << 20) + 3) * (32 << 20),
-                                "segment_size": 32 << 20},
+seg = 32 << 20
+cfg = config_from_dict({"cache_dir": work + "/pool",
+                        "dram": {"capacity": dram, "slab_size": 4 << 20},
+                        "ssd": {"capacity": (n * (chunk + 4096) * 2 // seg + 3) * seg,
+                                "segment_size": seg},
                         "pool": {"write_behind_bytes": 512 << 20}})
 out = {"save": [], "save_ref": [], "load": [], "load_ref": []}
 with KVPool(cfg) as pool:
@@ -124,10 +127,11 @@ def main() -> None:
         for name in ("before", "after"):
             r = runs[name]
             kv, ref = r[path], r[f"{path}_ref"]
-            print(f"{path:5} {name:6}: {statistics.median(kv) * 1e3:8.2f} / "
-                  f"{pct(kv, 0.99) * 1e3:8.2f}   ref {ref_name} {statistics.median(ref) * 1e3:7.2f}"
-                  f" / {pct(ref, 0.99) * 1e3:7.2f}   ratio {statistics.median(kv) / statistics.median(ref):5.2f}"
-                  f" / {pct(kv, 0.99) / pct(ref, 0.99):5.2f}")
+            med, p99 = statistics.median(kv), pct(kv, 0.99)
+            ref_med, ref_p99 = statistics.median(ref), pct(ref, 0.99)
+            print(f"{path:5} {name:6}: {med * 1e3:8.2f} / {p99 * 1e3:8.2f}   ref {ref_name} "
+                  f"{ref_med * 1e3:7.2f} / {ref_p99 * 1e3:7.2f}   ratio {med / ref_med:5.2f} / "
+                  f"{p99 / ref_p99:5.2f}")
 
 
 if __name__ == "__main__":
