@@ -61,6 +61,9 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
     ({"ssd": {"durability": "sometimes"}}, "ssd.durability"),
     ({"ssd": {"io_threads": 0}}, "ssd.io_threads"),
     ({"dram": {"eviction": "random"}}, "dram.eviction"),
+    ({"ssd": {"read_piece_bytes": "5KiB"}}, "ssd.read_piece_bytes"),
+    ({"cluster": {"batch_bytes": 0}}, "cluster.batch_bytes"),
+    ({"cluster": {"touch_threads": 0}}, "cluster.touch_threads"),
 ])
 def test_bad_values_are_named(data: dict[str, dict[str, object]], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -115,6 +115,36 @@ def test_an_answer_over_the_inflight_limit_is_refused_and_the_connection_survive
         node.stop()
 
 
+def test_client_requests_carry_at_most_batch_bytes_on_tuned_sockets(tmp_path: Path) -> None:
+    """cluster.batch_bytes splits a PUT / GET into requests of that much payload (a node
+    closes the connection on a frame over server.max_frame_bytes, so one unsplit 5-chunk PUT
+    is lost); cluster.socket_buffer_bytes sizes the client's socket buffers."""
+    node = NodeProcess(tmp_path / "n", server={"max_frame_bytes": 3 * CHUNK,
+                                               "max_inflight_bytes": 2 * CHUNK})
+    node.start()
+    try:
+        ns = byte_namespace(CHUNK)
+        keys = [os.urandom(16) for _ in range(5)]
+        items = [(k, ns, payload_for(k, CHUNK)) for k in keys]
+        unsplit = client_for(node)
+        unsplit.register_namespace(ns)
+        assert unsplit.put_many(items) == 0  # one 5-chunk frame: refused
+        unsplit.close()
+        client = client_for(node, batch_bytes=2 * CHUNK, socket_buffer_bytes=96 << 10)
+        client.register_namespace(ns)
+        assert client.put_many(items) == 5
+        found, outs = fetch(client, ns, keys)
+        assert found == [True] * 5
+        assert all(np.array_equal(o, payload_for(k, CHUNK)) for k, o in zip(keys, outs,
+                                                                             strict=True))
+        (pool,) = client._pools.values()
+        with pool.connection() as conn:  # Linux reports twice the size asked for
+            assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * (96 << 10)
+        client.close()
+    finally:
+        node.stop()
+
+
 def wait_written(client: ClusterClient, timeout_s: float = 20.0) -> None:
     """Until the node's write-behind queue to its SSD is empty."""
     deadline = time.monotonic() + timeout_s
