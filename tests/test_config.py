@@ -10,7 +10,7 @@ def test_defaults_are_valid() -> None:
     cfg = load_config(environ={})
     assert cfg.dram.capacity == 1 << 30
     assert cfg.ssd.durability == "cache"
-    assert cfg.pool.chunk_tokens == 256
+    assert cfg.pool.prefetch_max_pending == 4 and cfg.pool.prefetch_batch == 8
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -54,6 +54,13 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
         load_config(environ={"KVPOOL_SSD__BOGUS": "1"})
     with pytest.raises(ConfigError, match=r"colour: unknown key"):
         config_from_dict({"colour": "blue"})
+
+
+def test_removed_pool_chunk_tokens_is_an_unknown_key() -> None:
+    """pool.chunk_tokens was read by nothing (integrations take their chunk size from their
+    own settings); a config that still sets it is refused like any unknown key."""
+    with pytest.raises(ConfigError, match=r"pool\.chunk_tokens: unknown key"):
+        config_from_dict({"pool": {"chunk_tokens": 256}})
 
 
 @pytest.mark.parametrize(("data", "key"), [

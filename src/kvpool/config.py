@@ -146,11 +146,12 @@ class SsdConfig(_Section):
 class PoolConfig(_Section):
     """The embedded pool that composes the tiers."""
 
-    chunk_tokens: int = Field(256, ge=1, description="Default tokens per chunk for integrations.")
     ssd_write: Literal["evict", "through"] = Field("evict", description="evict: DRAM victims are demoted to SSD; through: every put is also written to SSD (survives restarts): through the write-behind queue in cache mode (a crash may lose what is still queued), synchronously with ssd.durability: durable.")
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
     write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")
+    prefetch_max_pending: int = Field(4, ge=1, description="Prefetches (KVPool.prefetch: copying what only SSD or the nodes hold up into DRAM) queued at once; more are skipped (counted as prefetch_skipped), never waited for.")
+    prefetch_batch: int = Field(8, ge=1, description="Chunks a prefetch reads per batch; its scratch memory is this many chunks.")
 
 
 class TenantToken(_Section):
