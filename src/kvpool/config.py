@@ -269,10 +269,13 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def describe_errors(err: ValidationError, prefix: str = "") -> str:
+    """Every error of a settings model, ``key: message (got value)``, joined by ``; ``. Keys
+    are dotted paths (``dram.capacity``), under ``prefix`` if given; an unknown key reads
+    ``key: unknown key``; a rule across keys that names its keys itself is kept as it is."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "") or "<root>"
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         msg = msg.removeprefix("Value error, ")
         if e["type"] == "value_error" and msg.startswith(f"{key}."):
@@ -281,7 +284,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
             continue
         shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
         lines.append(f"{key}: {msg}{shown}")
-    return f"invalid kvpool config ({source}): " + "; ".join(lines)
+    return "; ".join(lines)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> Config:
@@ -289,7 +292,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> Config:
     try:
         return Config.model_validate(dict(data))
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(f"invalid kvpool config ({source}): {describe_errors(err)}") from None
 
 
 def load_config(path: str | os.PathLike[str] | None = None,
