@@ -192,6 +192,7 @@ def test_read_pipeline_knobs_come_from_the_config(tmp_path: Path) -> None:
         assert eng.get_into(k(2), out) and np.array_equal(out, payload_for(k(2)))
     with pytest.raises(ValueError, match="read_piece_bytes"):
         SsdEngine(tmp_path / "b", 4 * MiB, MiB, read_piece_bytes=5000)
+    SsdEngine(tmp_path / "b", 4 * MiB, MiB).close()  # the refused open left no lock behind
 
 
 @pytest.mark.parametrize(("verify", "cut"), [("64MiB", 1), (0, 0)])

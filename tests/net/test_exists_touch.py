@@ -22,6 +22,7 @@ from kvpool.keys import Namespace
 from kvpool.net.client import ClusterClient
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import FEATURES, Feature, Op, RemoteError
+from kvpool.net.touch import ReplicaToucher
 from kvpool.pool import KVPool
 
 CHUNK = 64 * 1024
@@ -181,3 +182,20 @@ def test_touch_batch_keys_sizes_the_touches_that_do_not_ride_in_a_get(
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_touch_queue_bound_and_threads_from_the_config() -> None:
+    """cluster.touch_max_keys bounds a node's queue (the rest dropped, counted),
+    cluster.touch_batch_keys sizes each TOUCH, cluster.touch_threads bounds the senders."""
+    cfg = ClusterConfig(touch_threads=1, touch_max_keys=3, touch_batch_keys=2)
+    sent: list[list[bytes]] = []
+    toucher = ReplicaToucher(lambda node_id, ns, keys: sent.append(keys) is None,
+                             cfg.touch_threads, cfg.touch_max_keys, cfg.touch_batch_keys)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    toucher.add(byte_namespace(CHUNK), {"a": keys})
+    deadline = time.monotonic() + 10
+    while toucher.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    toucher.close()
+    assert sent == [keys[:2], keys[2:3]]
+    assert toucher.counters == {"touch_requests": 2, "touched_keys": 3, "touch_dropped": 2}

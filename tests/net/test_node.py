@@ -204,3 +204,23 @@ def test_raw_frames_get_answers_with_matching_ids(node: NodeProcess) -> None:
     from kvpool.net.protocol import unpack_header
     a, b = unpack_header(raw[:32]), unpack_header(raw[32:64])
     assert (a.req_id, b.req_id, a.status, a.is_response) == (77, 78, Status.OK, True)
+
+
+@pytest.mark.parametrize(("cache_s", "back"), [(0.0, True), (3600.0, False)])
+def test_live_cache_s_is_how_long_the_live_node_list_is_reused(cache_s: float,
+                                                               back: bool) -> None:
+    """A node marked down leaves the live list at once; cluster.live_cache_s is how long a
+    computed list is then reused, so a node whose retry time has come is back only once the
+    list is recomputed."""
+    with socket.socket() as probe:  # a port nothing listens on: every connect is refused
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    client = ClusterClient(ClusterConfig(nodes=[address], retry_down_s=0.05,
+                                         live_cache_s=cache_s))
+    (node_id,) = client.live_nodes()
+    ns = byte_namespace(CHUNK)
+    assert client.put_many([(os.urandom(16), ns, payload_for(b"x" * 16, CHUNK))]) == 0
+    assert client.live_nodes() == []
+    time.sleep(0.1)  # past retry_down_s
+    assert client.live_nodes() == ([node_id] if back else [])
+    client.close()

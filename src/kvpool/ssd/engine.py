@@ -64,11 +64,11 @@ class SsdEngine:
     parallel (writes serialise in ``durable`` mode so an acknowledged record never follows a
     hole in the log).
 
-    Raises ValueError for bad geometry (segment size not a multiple of 4 KiB, fewer than two
-    segments), CacheDirLockedError if another engine (any process, this one included) holds
-    the directory or device, InsufficientSpaceError if the capacity does not fit in the free
-    space, and OSError if the media cannot be opened or preallocated. A failed open leaves no
-    fd open, no segment file it created and no lock behind (segments.py).
+    Raises ValueError for bad geometry (segment size or read piece size not a multiple of
+    4 KiB, fewer than two segments), CacheDirLockedError if another engine (any process, this
+    one included) holds the directory or device, InsufficientSpaceError if the capacity does
+    not fit in the free space, and OSError if the media cannot be opened or preallocated. A
+    failed open leaves no fd open, no segment file it created and no lock behind (segments.py).
     """
 
     def __init__(self, path: str | os.PathLike[str], capacity: int,
@@ -82,6 +82,9 @@ class SsdEngine:
         if segment_size % BLOCK or segment_size < 4 * BLOCK:
             raise ValueError(f"ssd.segment_size must be a multiple of {BLOCK} and at least "
                              f"{4 * BLOCK}, got {segment_size}")
+        if read_piece_bytes <= 0 or read_piece_bytes % BLOCK:
+            raise ValueError(f"ssd.read_piece_bytes must be a positive multiple of {BLOCK}, "
+                             f"got {read_piece_bytes}")
         if durability not in ("cache", "durable"):
             raise ValueError(f"ssd.durability must be 'cache' or 'durable', got {durability!r}")
         self.durability: Durability = durability
@@ -104,9 +107,6 @@ class SsdEngine:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-ssd")
         # A single large get_into is read in pieces so the checksum overlaps the IO (batched
         # reads already overlap one another on the IO pool and are not split).
-        if read_piece_bytes <= 0 or read_piece_bytes % BLOCK:
-            raise ValueError(f"ssd.read_piece_bytes must be a positive multiple of {BLOCK}, "
-                             f"got {read_piece_bytes}")
         self._pipeline_min, self._piece = read_pipeline_min_bytes, read_piece_bytes
         self._tail_verify = tail_verify_bytes
         self._pieces = ThreadPoolExecutor(read_pipeline_threads,
