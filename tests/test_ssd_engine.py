@@ -1,11 +1,13 @@
 import errno
 import logging
 import os
+import threading
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtest import CHUNK, byte_namespace, payload_for
+from kvtest import CHUNK, byte_namespace, payload_for, small_config
 
 from kvpool.errors import ChunkSizeError, PoolClosedError
 from kvpool.ssd import directio
@@ -152,3 +154,64 @@ def test_large_reads_in_pieces_are_exact_and_verified(tmp_path: Path) -> None:
     assert eng.stats()["checksum_failures"] == 1
     assert eng.get_into(k(2), out) and np.array_equal(out, payload_for(k(2), size))
     eng.close()
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 1]))
+
+
+def _piece_threads() -> int:
+    return sum(t.name.startswith("kvpool-ssd-piece") for t in threading.enumerate())
+
+
+def test_read_pipeline_knobs_come_from_the_config(tmp_path: Path) -> None:
+    """ssd.read_pipeline_min_bytes / read_piece_bytes / read_pipeline_threads: a 64 KiB read
+    is split into 16 KiB pieces read on the piece threads (created only when a read splits),
+    and the checksum still covers the last piece."""
+    cfg = small_config(tmp_path, ssd={"read_pipeline_min_bytes": "64KiB",
+                                      "read_piece_bytes": "16KiB", "read_pipeline_threads": 3})
+    ns = byte_namespace(CHUNK)
+    before = _piece_threads()
+    with closing(SsdEngine.from_config(cfg)) as eng:
+        eng.put(k(1), ns, payload_for(k(1)))
+        eng.put(k(2), ns, payload_for(k(2)))  # after k(1): a bad k(1) is no torn tail
+        out = np.frombuffer(aligned_buffer(CHUNK), np.uint8)
+        assert eng.get_into(k(1), out) and np.array_equal(out, payload_for(k(1)))
+        assert before < _piece_threads() <= before + 3
+        loc = eng._index.get(k(1))
+        assert loc is not None
+    _flip_byte(cfg.ssd_path() / f"seg-{loc.segment:05d}.kvs",
+               loc.block * 4096 + 4096 + CHUNK - 100)  # inside the last piece
+    with closing(SsdEngine.from_config(cfg)) as eng:
+        assert not eng.get_into(k(1), out)
+        assert eng.stats()["checksum_failures"] == 1
+        assert eng.get_into(k(2), out) and np.array_equal(out, payload_for(k(2)))
+    with pytest.raises(ValueError, match="read_piece_bytes"):
+        SsdEngine(tmp_path / "b", 4 * MiB, MiB, read_piece_bytes=5000)
+    SsdEngine(tmp_path / "b", 4 * MiB, MiB).close()  # the refused open left no lock behind
+
+
+@pytest.mark.parametrize(("verify", "cut"), [("64MiB", 1), (0, 0)])
+def test_tail_verify_bytes_bounds_the_torn_tail_check(tmp_path: Path, verify: object,
+                                                      cut: int) -> None:
+    """A bad payload at the end of the newest segment is cut as a torn tail on open when it
+    lies within ssd.tail_verify_bytes; outside it, it stays and reads as a counted miss."""
+    cfg = small_config(tmp_path, ssd={"tail_verify_bytes": verify})
+    ns = byte_namespace(CHUNK)
+    with closing(SsdEngine.from_config(cfg)) as eng:
+        for i in range(3):
+            eng.put(k(i), ns, payload_for(k(i)))
+        loc = eng._index.get(k(2))
+        assert loc is not None
+    _flip_byte(cfg.ssd_path() / f"seg-{loc.segment:05d}.kvs", loc.block * 4096 + 4096 + 10)
+    out = np.frombuffer(aligned_buffer(CHUNK), np.uint8)
+    with closing(SsdEngine.from_config(cfg)) as eng:
+        assert eng.stats()["torn_discarded"] == cut
+        assert len(eng) == 3 - cut
+        assert not eng.get_into(k(2), out)
+        assert eng.stats()["checksum_failures"] == 1 - cut
+        assert eng.get_into(k(1), out) and np.array_equal(out, payload_for(k(1)))

@@ -108,6 +108,17 @@ class SsdConfig(_Section):
     copy_forward_fraction: float = Field(0.25, ge=0, le=0.9, description="At most this fraction of a segment is copied forward per eviction.")
     admission: Literal["always", "second_use"] = Field("always", description="Which DRAM victims are written to SSD: all, or only chunks used at least twice.")
     second_use_window: int = Field(65536, ge=1, description="Keys remembered by the second_use admission policy.")
+    read_pipeline_min_bytes: Size = Field(1 << 20, description="A single chunk read (not a batch) at least this large is read in pieces, so its checksum overlaps the IO; batched reads overlap one another instead and are never split.")
+    read_piece_bytes: Size = Field(512 << 10, description=f"Piece size of a split read (a positive multiple of {BLOCK_BYTES}, for O_DIRECT).")
+    read_pipeline_threads: int = Field(2, ge=1, le=64, description="Threads reading the pieces of split reads.")
+    tail_verify_bytes: Size = Field(64 << 20, description="On open, the records in this many bytes at the end of the newest segment have their payload re-read and checked, and a trailing run of bad ones (a torn write) is cut; larger opens slower. A bad record left in the log (0: none checked) is a counted miss when read, never served.")
+
+    @field_validator("read_piece_bytes")
+    @classmethod
+    def _piece_aligned(cls, value: int) -> int:
+        if value <= 0 or value % BLOCK_BYTES:
+            raise ValueError(f"must be a positive multiple of {BLOCK_BYTES}")
+        return value
 
     @field_validator("segment_size")
     @classmethod
@@ -135,11 +146,12 @@ class SsdConfig(_Section):
 class PoolConfig(_Section):
     """The embedded pool that composes the tiers."""
 
-    chunk_tokens: int = Field(256, ge=1, description="Default tokens per chunk for integrations.")
     ssd_write: Literal["evict", "through"] = Field("evict", description="evict: DRAM victims are demoted to SSD; through: every put is also written to SSD (survives restarts): through the write-behind queue in cache mode (a crash may lose what is still queued), synchronously with ssd.durability: durable.")
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
     write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")
+    prefetch_max_pending: int = Field(4, ge=1, description="Prefetches (KVPool.prefetch: copying what only SSD or the nodes hold up into DRAM) queued at once; more are skipped (counted as prefetch_skipped), never waited for.")
+    prefetch_batch: int = Field(8, ge=1, description="Chunks a prefetch reads per batch; its scratch memory is this many chunks.")
 
 
 class TenantToken(_Section):
@@ -196,6 +208,12 @@ class ClusterConfig(_Section):
     retry_down_s: float = Field(2.0, gt=0, description="A node marked down is tried again after this long.")
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for saves on their way to the nodes; full = dropped (counted).")
     fanout_threads: int = Field(8, ge=1, le=128, description="Threads the client uses to talk to nodes in parallel.")
+    batch_bytes: Size = Field(64 << 20, gt=0, description="Largest payload one GET or PUT request carries; bigger batches are split. Keep it under the nodes' server.max_frame_bytes and server.max_inflight_bytes.")
+    socket_buffer_bytes: Size = Field(4 << 20, gt=0, description="SO_SNDBUF / SO_RCVBUF of each client connection (the kernel may cap it: net.core.wmem_max, rmem_max): big enough for a multi-MiB chunk to go out in one sendmsg.")
+    live_cache_s: float = Field(0.05, ge=0, description="How long a computed list of live nodes is reused: membership changes are seen this late (a node marked down is dropped at once).")
+    touch_threads: int = Field(2, ge=1, le=64, description="Threads sending TOUCHes to the replicas a read did not fetch from (off the read path).")
+    touch_max_keys: int = Field(65536, ge=1, description="Touch keys queued per node; beyond it touches are dropped (counted as touch_dropped).")
+    touch_batch_keys: int = Field(4096, ge=1, description="Keys per TOUCH request; keep it under the nodes' server.max_keys.")
 
     @property
     def enabled(self) -> bool:
@@ -251,10 +269,13 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def describe_errors(err: ValidationError, prefix: str = "") -> str:
+    """Every error of a settings model, ``key: message (got value)``, joined by ``; ``. Keys
+    are dotted paths (``dram.capacity``), under ``prefix`` if given; an unknown key reads
+    ``key: unknown key``; a rule across keys that names its keys itself is kept as it is."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "") or "<root>"
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         msg = msg.removeprefix("Value error, ")
         if e["type"] == "value_error" and msg.startswith(f"{key}."):
@@ -263,7 +284,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
             continue
         shown = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
         lines.append(f"{key}: {msg}{shown}")
-    return f"invalid kvpool config ({source}): " + "; ".join(lines)
+    return "; ".join(lines)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> Config:
@@ -271,7 +292,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> Config:
     try:
         return Config.model_validate(dict(data))
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(f"invalid kvpool config ({source}): {describe_errors(err)}") from None
 
 
 def load_config(path: str | os.PathLike[str] | None = None,

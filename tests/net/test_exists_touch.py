@@ -8,6 +8,7 @@ import io
 import os
 import subprocess
 import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from kvpool.keys import Namespace
 from kvpool.net.client import ClusterClient
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import FEATURES, Feature, Op, RemoteError
+from kvpool.net.touch import ReplicaToucher
 from kvpool.pool import KVPool
 
 CHUNK = 64 * 1024
@@ -149,3 +151,51 @@ def test_an_old_node_is_asked_exists_prefix_and_never_touch(old_node: NodeProces
     stats = client.stats()
     assert stats.get("node_failures", 0) == 0 and len(stats["live_nodes"]) == 2
     client.close()
+
+
+@pytest.mark.parametrize("batch_keys", [4096, 1])
+def test_touch_batch_keys_sizes_the_touches_that_do_not_ride_in_a_get(
+        tmp_path: Path, batch_keys: int) -> None:
+    """Two replicas: a read touches the replica it did not fetch from. The first
+    cluster.touch_batch_keys of a node's touch keys ride in its GET; the rest go out as
+    TOUCHes of that many keys (one key each here), off the read path."""
+    nodes = [NodeProcess(tmp_path / f"n{i}").start() for i in range(2)]
+    try:
+        client = ClusterClient(ClusterConfig(nodes=[n.address for n in nodes], replicas=2,
+                                             touch_batch_keys=batch_keys))
+        ns = byte_namespace(CHUNK, salt="touch-batch")
+        client.register_namespace(ns)
+        keys = [os.urandom(16) for _ in range(20)]
+        assert client.put_many([(k, ns, payload_for(k, CHUNK)) for k in keys]) == 20
+        outs = [np.zeros(CHUNK, np.uint8) for _ in keys]
+        assert client.get_many_into(ns, keys, outs) == [True] * 20
+        deadline = time.monotonic() + 10
+        while client._toucher.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = client.stats()
+        if batch_keys == 1:  # at most one key per node rides; every other one is a TOUCH
+            assert stats["touched_keys"] >= 18
+            assert stats["touch_requests"] == stats["touched_keys"]
+        else:
+            assert stats.get("touched_keys", 0) == 0  # all rode in the GETs
+        client.close()
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_touch_queue_bound_and_threads_from_the_config() -> None:
+    """cluster.touch_max_keys bounds a node's queue (the rest dropped, counted),
+    cluster.touch_batch_keys sizes each TOUCH, cluster.touch_threads bounds the senders."""
+    cfg = ClusterConfig(touch_threads=1, touch_max_keys=3, touch_batch_keys=2)
+    sent: list[list[bytes]] = []
+    toucher = ReplicaToucher(lambda node_id, ns, keys: sent.append(keys) is None,
+                             cfg.touch_threads, cfg.touch_max_keys, cfg.touch_batch_keys)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    toucher.add(byte_namespace(CHUNK), {"a": keys})
+    deadline = time.monotonic() + 10
+    while toucher.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    toucher.close()
+    assert sent == [keys[:2], keys[2:3]]
+    assert toucher.counters == {"touch_requests": 2, "touched_keys": 3, "touch_dropped": 2}

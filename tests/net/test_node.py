@@ -115,6 +115,36 @@ def test_an_answer_over_the_inflight_limit_is_refused_and_the_connection_survive
         node.stop()
 
 
+def test_client_requests_carry_at_most_batch_bytes_on_tuned_sockets(tmp_path: Path) -> None:
+    """cluster.batch_bytes splits a PUT / GET into requests of that much payload (a node
+    closes the connection on a frame over server.max_frame_bytes, so one unsplit 5-chunk PUT
+    is lost); cluster.socket_buffer_bytes sizes the client's socket buffers."""
+    node = NodeProcess(tmp_path / "n", server={"max_frame_bytes": 3 * CHUNK,
+                                               "max_inflight_bytes": 2 * CHUNK})
+    node.start()
+    try:
+        ns = byte_namespace(CHUNK)
+        keys = [os.urandom(16) for _ in range(5)]
+        items = [(k, ns, payload_for(k, CHUNK)) for k in keys]
+        unsplit = client_for(node)
+        unsplit.register_namespace(ns)
+        assert unsplit.put_many(items) == 0  # one 5-chunk frame: refused
+        unsplit.close()
+        client = client_for(node, batch_bytes=2 * CHUNK, socket_buffer_bytes=96 << 10)
+        client.register_namespace(ns)
+        assert client.put_many(items) == 5
+        found, outs = fetch(client, ns, keys)
+        assert found == [True] * 5
+        assert all(np.array_equal(o, payload_for(k, CHUNK)) for k, o in zip(keys, outs,
+                                                                             strict=True))
+        (pool,) = client._pools.values()
+        with pool.connection() as conn:  # Linux reports twice the size asked for
+            assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * (96 << 10)
+        client.close()
+    finally:
+        node.stop()
+
+
 def wait_written(client: ClusterClient, timeout_s: float = 20.0) -> None:
     """Until the node's write-behind queue to its SSD is empty."""
     deadline = time.monotonic() + timeout_s
@@ -174,3 +204,23 @@ def test_raw_frames_get_answers_with_matching_ids(node: NodeProcess) -> None:
     from kvpool.net.protocol import unpack_header
     a, b = unpack_header(raw[:32]), unpack_header(raw[32:64])
     assert (a.req_id, b.req_id, a.status, a.is_response) == (77, 78, Status.OK, True)
+
+
+@pytest.mark.parametrize(("cache_s", "back"), [(0.0, True), (3600.0, False)])
+def test_live_cache_s_is_how_long_the_live_node_list_is_reused(cache_s: float,
+                                                               back: bool) -> None:
+    """A node marked down leaves the live list at once; cluster.live_cache_s is how long a
+    computed list is then reused, so a node whose retry time has come is back only once the
+    list is recomputed."""
+    with socket.socket() as probe:  # a port nothing listens on: every connect is refused
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    client = ClusterClient(ClusterConfig(nodes=[address], retry_down_s=0.05,
+                                         live_cache_s=cache_s))
+    (node_id,) = client.live_nodes()
+    ns = byte_namespace(CHUNK)
+    assert client.put_many([(os.urandom(16), ns, payload_for(b"x" * 16, CHUNK))]) == 0
+    assert client.live_nodes() == []
+    time.sleep(0.1)  # past retry_down_s
+    assert client.live_nodes() == ([node_id] if back else [])
+    client.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvpool.errors import ConfigError
@@ -90,6 +92,37 @@ def test_settings_validate_chunk_size_and_keys() -> None:
         parse_settings({"chunk_size": 256}, 128)
     with pytest.raises(ConfigError, match=r"dram\.capacity"):
         parse_settings({"config": {"dram": {"capacity": "lots"}}}, 128)
+
+
+@pytest.mark.parametrize(("extra", "error"), [
+    ({"chunk_tokens": 200}, r"^kv_connector_extra_config\.chunk_tokens: must be a positive "
+                            r"multiple of the vLLM block size 128 \(got 200\)$"),
+    ({"chunk_tokens": 0}, r"\.chunk_tokens: must be a positive multiple"),
+    ({"chunk_tokens": True}, r"\.chunk_tokens: Input should be a valid integer"),
+    ({"chunk_tokens": "256"}, r"\.chunk_tokens: Input should be a valid integer"),
+    ({"chunk_size": 256}, r"^kv_connector_extra_config\.chunk_size: unknown key$"),
+    ({"config": [1]}, r"\.config: must be a mapping of kvpool settings"),
+    ({"config_path": "/no/such/kvpool.yaml"}, r"\.config_path: no such file"),
+    ({"lookup_timeout_s": 0}, r"\.lookup_timeout_s: Input should be greater than 0"),
+    ({"lookup_timeout_s": True}, r"\.lookup_timeout_s: Input should be a valid number"),
+    ({"tenant_salt": 5}, r"\.tenant_salt: Input should be a valid string"),
+])
+def test_settings_errors_name_the_key(extra: dict[str, object], error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        parse_settings(extra, 128)
+
+
+def test_settings_fields_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "kvpool.yaml").write_text(f"cache_dir: {tmp_path}/cache\n")
+    s = parse_settings({"config_path": "~/kvpool.yaml", "model_id": "", "stats_path": "",
+                        "tenant_salt": "acme", "lookup_timeout_s": 3}, 16)
+    assert (s.chunk_tokens, s.block_size, s.blocks_per_chunk) == (16, 16, 1)
+    assert s.config_path == str(tmp_path / "kvpool.yaml")  # ~ expanded
+    assert s.pool_config().cache_dir == f"{tmp_path}/cache"
+    assert (s.model_id, s.stats_path, s.tenant_salt, s.lookup_timeout_s) == \
+        (None, None, "acme", 3.0)
+    assert s.config_overrides is None
 
 
 def test_tensor_parallel_ranks_get_their_own_ssd_dirs(tmp_path: object) -> None:

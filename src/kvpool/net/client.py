@@ -35,11 +35,9 @@ from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.net.connection import NodeConnection, NodePool
 from kvpool.net.placement import replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
-from kvpool.net.touch import TOUCH_BATCH_KEYS, ReplicaToucher
+from kvpool.net.touch import ReplicaToucher
 
 log = logging.getLogger("kvpool.cluster")
-#: How long a computed live-node list is reused (membership changes are seen this late).
-LIVE_CACHE_S = 0.05
 T = TypeVar("T")
 
 
@@ -66,13 +64,14 @@ class ClusterClient:
         self._counters = Counters()  # bumped on fan-out threads too
         self._live_cache: tuple[float, list[str]] | None = None
         self._toucher = ReplicaToucher(
-            lambda node_id, ns, keys: self._safe(node_id, _touch_job(ns, keys)) is not None)
+            lambda node_id, ns, keys: self._safe(node_id, _touch_job(ns, keys)) is not None,
+            cfg.touch_threads, cfg.touch_max_keys, cfg.touch_batch_keys)
 
     # ------------------------------------------------------------------ nodes
     def live_nodes(self) -> list[str]:
         """Node ids in placement now: live in membership and not marked down (a node whose
         retry time has come is live again; its next request is the probe). Recomputed at
-        most every LIVE_CACHE_S, and at once after a node is marked down."""
+        most every cluster.live_cache_s, and at once after a node is marked down."""
         now = time.monotonic()
         cached = self._live_cache
         if cached is not None and now < cached[0]:
@@ -85,10 +84,11 @@ class ClusterClient:
                     self._pools[node.node_id] = NodePool(node.address(), c.token,
                                                          c.connections_per_node,
                                                          c.connect_timeout_s,
-                                                         c.request_timeout_s)
+                                                         c.request_timeout_s,
+                                                         c.socket_buffer_bytes)
                 if self._down_until.get(node.node_id, 0.0) <= now:
                     out.append(node.node_id)
-        self._live_cache = (now + LIVE_CACHE_S, out)
+        self._live_cache = (now + self.cfg.live_cache_s, out)
         return out
 
     def _mark_down(self, node_id: str, why: BaseException) -> None:
@@ -205,15 +205,16 @@ class ClusterClient:
                 break
             riding: dict[str, list[bytes]] = {}
             if rank == 0:  # touches ride in the GETs sent anyway; the rest go on their own
+                batch = self.cfg.touch_batch_keys
                 for node_id in per_node:
                     queued = touches.pop(node_id, [])
-                    riding[node_id] = queued[:TOUCH_BATCH_KEYS]
-                    if queued[TOUCH_BATCH_KEYS:]:
-                        touches[node_id] = queued[TOUCH_BATCH_KEYS:]
+                    riding[node_id] = queued[:batch]
+                    if queued[batch:]:
+                        touches[node_id] = queued[batch:]
                 if touches:
                     self._toucher.add(ns, touches)
             jobs = {n: _get_job(ns, [keys[i] for i in idx], [views[i] for i in idx],
-                                riding.get(n, []))
+                                riding.get(n, []), self.cfg.batch_bytes)
                     for n, idx in per_node.items()}
             for node_id, got in self._fan_out(jobs).items():
                 if got is None:
@@ -241,7 +242,8 @@ class ClusterClient:
             for i, nodes in enumerate(placement):
                 for node_id in nodes:
                     per_node[node_id].append(i)
-            jobs = {n: _put_job(ns, [keys[i] for i in idx], [datas[i] for i in idx])
+            jobs = {n: _put_job(ns, [keys[i] for i in idx], [datas[i] for i in idx],
+                                self.cfg.batch_bytes)
                     for n, idx in per_node.items()}
             ok = [False] * len(keys)
             for node_id, count in self._fan_out(jobs).items():
@@ -306,25 +308,24 @@ def _touch_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], i
     return lambda c: c.touch(ns, keys)
 
 
-#: Largest payload one GET or PUT carries; bigger batches are split (nodes refuse answers
-#: over server.max_inflight_bytes, 512 MiB by default).
-BATCH_BYTES = 64 << 20
-
-
-def _batches(ns: Namespace, n: int) -> list[slice]:
-    step = max(1, BATCH_BYTES // max(1, ns.chunk_bytes))
+def _batches(ns: Namespace, n: int, batch_bytes: int) -> list[slice]:
+    """Requests of at most ``batch_bytes`` of payload (cluster.batch_bytes; nodes refuse
+    answers over server.max_inflight_bytes), at least one chunk each."""
+    step = max(1, batch_bytes // max(1, ns.chunk_bytes))
     return [slice(i, i + step) for i in range(0, n, step)]
 
 
-def _get_job(ns: Namespace, keys: list[bytes], views: list[memoryview],
-             touch: list[bytes]) -> Callable[[NodeConnection], list[bool]]:
+def _get_job(ns: Namespace, keys: list[bytes], views: list[memoryview], touch: list[bytes],
+             batch_bytes: int) -> Callable[[NodeConnection], list[bool]]:
     """The first batch carries the node's touch keys."""
-    return lambda c: [hit for j, b in enumerate(_batches(ns, len(keys)))
+    return lambda c: [hit for j, b in enumerate(_batches(ns, len(keys), batch_bytes))
                       for hit in c.get_into(ns, keys[b], views[b], touch if j == 0 else ())]
 
 
-def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any]) -> Callable[[NodeConnection], int]:
-    return lambda c: sum(c.put(ns, keys[b], datas[b]) for b in _batches(ns, len(keys)))
+def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any],
+             batch_bytes: int) -> Callable[[NodeConnection], int]:
+    return lambda c: sum(c.put(ns, keys[b], datas[b])
+                         for b in _batches(ns, len(keys), batch_bytes))
 
 
 def _delete_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:

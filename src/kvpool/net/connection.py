@@ -20,6 +20,7 @@ from typing import Any
 
 from kvpool.buffers import advance, byte_view
 from kvpool.cluster.membership import parse_address
+from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace, canonical_json
 from kvpool.net.protocol import (
     FEATURES,
@@ -36,28 +37,30 @@ from kvpool.net.protocol import (
     unpack_header,
 )
 
-IOV_MAX = 512
-#: Socket buffers big enough for a multi-MiB chunk to go out in one sendmsg, so neither side
-#: wakes up every few hundred KiB.
-SOCKET_BUFFER_BYTES = 4 << 20
+IOV_MAX = 512  # iovecs per sendmsg: under the kernel's limit (UIO_MAXIOV, 1024)
+_DEFAULTS = ClusterConfig()
 
 
-def tune_socket(sock: socket.socket) -> None:
-    """No Nagle delay; large send and receive buffers."""
+def tune_socket(sock: socket.socket,
+                buffer_bytes: int = _DEFAULTS.socket_buffer_bytes) -> None:
+    """No Nagle delay; send and receive buffers of ``buffer_bytes`` (cluster.socket_buffer_bytes)
+    so a multi-MiB chunk goes out in one sendmsg and neither side wakes up every few hundred
+    KiB. Raises OSError if the socket refuses an option."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
 class NodeConnection:
     """One TCP connection. Not thread-safe: use one per thread (NodePool does)."""
 
     def __init__(self, address: str, token: str | None = None, connect_timeout: float = 0.5,
-                 request_timeout: float = 5.0) -> None:
+                 request_timeout: float = 5.0,
+                 socket_buffer_bytes: int = _DEFAULTS.socket_buffer_bytes) -> None:
         self.address = address
         self.sock = socket.create_connection(parse_address(address), timeout=connect_timeout)
         try:
-            tune_socket(self.sock)
+            tune_socket(self.sock, socket_buffer_bytes)
             self.sock.settimeout(request_timeout)
             self._req_id = 0
             self._header = memoryview(bytearray(HEADER_BYTES))
@@ -207,9 +210,9 @@ class NodePool:
     """Up to ``size`` idle connections to one node, shared by threads."""
 
     def __init__(self, address: str, token: str | None, size: int, connect_timeout: float,
-                 request_timeout: float) -> None:
+                 request_timeout: float, socket_buffer_bytes: int) -> None:
         self.address = address
-        self._args = (token, connect_timeout, request_timeout)
+        self._args = (token, connect_timeout, request_timeout, socket_buffer_bytes)
         self._size = size
         self._idle: list[NodeConnection] = []
         self._lock = threading.Lock()

@@ -22,24 +22,20 @@ from concurrent.futures import ThreadPoolExecutor
 from kvpool.keys import Namespace
 
 log = logging.getLogger("kvpool.cluster")
-#: Threads sending TOUCHes (each drains one node's queue at a time).
-TOUCH_THREADS = 2
-#: Keys one node's queue may hold; beyond it touches are dropped (counted).
-TOUCH_MAX_KEYS = 65536
-#: Keys per TOUCH request (well under server.max_keys).
-TOUCH_BATCH_KEYS = 4096
 
 #: ``send(node_id, namespace, keys)``: one TOUCH; False if the node failed.
 Send = Callable[[str, Namespace, list[bytes]], bool]
 
 
 class ReplicaToucher:
-    """Thread-safe."""
+    """Thread-safe. ``threads`` send TOUCHes (each drains one node's queue at a time), a node's
+    queue holds ``max_keys``, a TOUCH carries ``batch_keys`` (cluster.touch_threads,
+    touch_max_keys, touch_batch_keys)."""
 
-    def __init__(self, send: Send, threads: int = TOUCH_THREADS,
-                 max_keys: int = TOUCH_MAX_KEYS) -> None:
+    def __init__(self, send: Send, threads: int, max_keys: int, batch_keys: int) -> None:
         self._send = send
         self._max_keys = max_keys
+        self._batch_keys = batch_keys
         self._queues: dict[str, dict[tuple[bytes, bytes], None]] = {}  # ordered key sets
         self._namespaces: dict[bytes, Namespace] = {}
         self._draining: set[str] = set()
@@ -81,8 +77,8 @@ class ReplicaToucher:
             for ns_id, key in queue:
                 by_ns.setdefault(ns_id, []).append(key)
             for ns_id, keys in by_ns.items():
-                for start in range(0, len(keys), TOUCH_BATCH_KEYS):
-                    batch = keys[start:start + TOUCH_BATCH_KEYS]
+                for start in range(0, len(keys), self._batch_keys):
+                    batch = keys[start:start + self._batch_keys]
                     try:
                         sent = self._send(node_id, self._namespaces[ns_id], batch)
                     except Exception:  # a touch never surfaces errors

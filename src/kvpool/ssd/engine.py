@@ -29,6 +29,7 @@ from typing import Any, Literal
 import xxhash
 
 from kvpool.buffers import byte_view
+from kvpool.config import Config, SsdConfig
 from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError, CorruptRecordError, PoolClosedError
 from kvpool.keys import KEY_BYTES, Namespace
@@ -55,11 +56,7 @@ log = logging.getLogger("kvpool.ssd")
 
 Durability = Literal["cache", "durable"]
 
-# A single large get_into is read in pieces so the checksum overlaps the IO (batched reads
-# already overlap one another on the IO pool and are not split).
-PIPELINE_MIN_BYTES = 1 << 20
-PIPELINE_PIECE_BYTES = 512 << 10
-PIPELINE_THREADS = 2
+_DEFAULTS = SsdConfig()  # the tuning defaults of an engine built without a Config
 
 
 class SsdEngine:
@@ -67,20 +64,27 @@ class SsdEngine:
     parallel (writes serialise in ``durable`` mode so an acknowledged record never follows a
     hole in the log).
 
-    Raises ValueError for bad geometry (segment size not a multiple of 4 KiB, fewer than two
-    segments), CacheDirLockedError if another engine (any process, this one included) holds
-    the directory or device, InsufficientSpaceError if the capacity does not fit in the free
-    space, and OSError if the media cannot be opened or preallocated. A failed open leaves no
-    fd open, no segment file it created and no lock behind (segments.py).
+    Raises ValueError for bad geometry (segment size or read piece size not a multiple of
+    4 KiB, fewer than two segments), CacheDirLockedError if another engine (any process, this
+    one included) holds the directory or device, InsufficientSpaceError if the capacity does
+    not fit in the free space, and OSError if the media cannot be opened or preallocated. A
+    failed open leaves no fd open, no segment file it created and no lock behind (segments.py).
     """
 
     def __init__(self, path: str | os.PathLike[str], capacity: int,
                  segment_size: int = 256 << 20, durability: Durability = "cache",
                  io_threads: int = 4, direct_io: DirectMode = "auto",
-                 eviction: str = "second_chance", copy_forward_fraction: float = 0.25) -> None:
+                 eviction: str = "second_chance", copy_forward_fraction: float = 0.25, *,
+                 read_pipeline_min_bytes: int = _DEFAULTS.read_pipeline_min_bytes,
+                 read_piece_bytes: int = _DEFAULTS.read_piece_bytes,
+                 read_pipeline_threads: int = _DEFAULTS.read_pipeline_threads,
+                 tail_verify_bytes: int = _DEFAULTS.tail_verify_bytes) -> None:
         if segment_size % BLOCK or segment_size < 4 * BLOCK:
             raise ValueError(f"ssd.segment_size must be a multiple of {BLOCK} and at least "
                              f"{4 * BLOCK}, got {segment_size}")
+        if read_piece_bytes <= 0 or read_piece_bytes % BLOCK:
+            raise ValueError(f"ssd.read_piece_bytes must be a positive multiple of {BLOCK}, "
+                             f"got {read_piece_bytes}")
         if durability not in ("cache", "durable"):
             raise ValueError(f"ssd.durability must be 'cache' or 'durable', got {durability!r}")
         self.durability: Durability = durability
@@ -101,7 +105,12 @@ class SsdEngine:
         self._tls = ThreadBuffers()
         self._io_threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-ssd")
-        self._pieces = ThreadPoolExecutor(PIPELINE_THREADS, thread_name_prefix="kvpool-ssd-piece")
+        # A single large get_into is read in pieces so the checksum overlaps the IO (batched
+        # reads already overlap one another on the IO pool and are not split).
+        self._pipeline_min, self._piece = read_pipeline_min_bytes, read_piece_bytes
+        self._tail_verify = tail_verify_bytes
+        self._pieces = ThreadPoolExecutor(read_pipeline_threads,
+                                          thread_name_prefix="kvpool-ssd-piece")
         self._counters = Counters(  # bumped on IO threads too
             "puts", "put_bytes", "gets", "hits", "misses", "checksum_failures", "stale_reads",
             "io_errors", "segments_evicted", "records_evicted", "copied_forward",
@@ -117,6 +126,17 @@ class SsdEngine:
             self._pieces.shutdown(wait=True)
             self._store.close()  # fds and the lock: a failed open holds nothing
             raise
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> SsdEngine:
+        """The engine ``cfg.ssd`` describes, at ``cfg.ssd_path()``; raises as the constructor."""
+        s = cfg.ssd
+        return cls(cfg.ssd_path(), s.capacity, s.segment_size, s.durability, s.io_threads,
+                   s.direct_io, s.eviction, s.copy_forward_fraction,
+                   read_pipeline_min_bytes=s.read_pipeline_min_bytes,
+                   read_piece_bytes=s.read_piece_bytes,
+                   read_pipeline_threads=s.read_pipeline_threads,
+                   tail_verify_bytes=s.tail_verify_bytes)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -140,7 +160,8 @@ class SsdEngine:
         """Rebuild segments and index from the media (the log starts a new seq epoch):
         records replayed in seq order, so tombstones drop exactly what was written before
         them."""
-        scan = scan_media(self._store, threads=self._io_threads)
+        scan = scan_media(self._store, threads=self._io_threads,
+                          tail_verify_bytes=self._tail_verify)
         self._log.restore(scan)
         self._counters.add("torn_discarded", scan.torn_discarded)
         self._index.reserve(len(self._index) + len(scan.records))
@@ -345,10 +366,10 @@ class SsdEngine:
         payload = out if direct_into_out else self._tls.staging_of(round_up(nbytes))
         # One thread reads header + first piece and hashes each piece as it lands while the
         # piece pool reads the rest: the checksum no longer waits for the whole IO.
-        split = pipelined and direct_into_out and nbytes >= PIPELINE_MIN_BYTES
-        first = PIPELINE_PIECE_BYTES if split else len(payload)
-        rest = [(o, min(PIPELINE_PIECE_BYTES, nbytes - o))
-                for o in range(first, nbytes, PIPELINE_PIECE_BYTES)] if split else []
+        split = pipelined and direct_into_out and nbytes >= self._pipeline_min
+        first = self._piece if split else len(payload)
+        rest = [(o, min(self._piece, nbytes - o))
+                for o in range(first, nbytes, self._piece)] if split else []
         futures = [self._pieces.submit(os.preadv, fd, [payload[o:o + n]],
                                        pos + HEADER_BLOCK + o) for o, n in rest]
         try:

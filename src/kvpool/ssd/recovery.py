@@ -46,7 +46,6 @@ from kvpool.ssd.segments import SegmentStore, unpack_segment_header
 
 log = logging.getLogger("kvpool.ssd")
 
-TAIL_VERIFY_BYTES = 64 << 20  # payloads re-verified at the end of the newest segment on open
 WALK_WINDOW = 256 << 10  # read-ahead while walking records of at most SMALL_RECORD bytes
 SMALL_RECORD = 32 << 10
 RESYNC_WINDOW = 1 << 20  # read size while looking for the next valid header
@@ -92,9 +91,11 @@ class Scan:
         return max([*seqs, *(r.seq for r in self.records[-1:])], default=0)
 
 
-def scan_media(store: SegmentStore, threads: int = 4) -> Scan:
+def scan_media(store: SegmentStore, tail_verify_bytes: int, threads: int = 4) -> Scan:
     """Read every segment's header and summary (or walk its record headers; IO errors read as
     damaged blocks). Segments are independent, so ``threads`` of them are scanned at once.
+    Payloads in the last ``tail_verify_bytes`` of the newest segment are re-verified
+    (ssd.tail_verify_bytes) and a trailing run of bad ones is cut as a torn tail.
     Writes only to persist a torn-tail cut and to give walked segments a summary (a failed
     write there is logged, never raised)."""
     result = Scan(segments=[None] * store.count)
@@ -106,7 +107,8 @@ def scan_media(store: SegmentStore, threads: int = 4) -> Scan:
             result.segments[seg_no], per_segment[seg_no] = scanned
     if per_segment:
         newest = max(per_segment, key=lambda s: scans[s][0].start_seq)  # type: ignore[index]
-        result.torn_discarded = _discard_torn_tail(store, newest, result, per_segment)
+        result.torn_discarded = _discard_torn_tail(store, newest, result, per_segment,
+                                                   tail_verify_bytes)
     for seg_no, records in per_segment.items():
         scanned_seg = result.segments[seg_no]
         assert scanned_seg is not None
@@ -245,14 +247,14 @@ def _write_summary(store: SegmentStore, seg_no: int, scanned: ScannedSegment,
 
 
 def _discard_torn_tail(store: SegmentStore, seg_no: int, result: Scan,
-                       per_segment: dict[int, list[FoundRecord]]) -> int:
+                       per_segment: dict[int, list[FoundRecord]], verify_bytes: int) -> int:
     """Cut the trailing run of bad-payload records of the newest segment. A bad record
     followed by a good one is not a tear (writes are ordered): it stays, its reads become
     counted misses, and the acknowledged records after it survive. Returns records cut."""
     scanned = result.segments[seg_no]
     assert scanned is not None
     mine = per_segment[seg_no]
-    tail_start = scanned.end - TAIL_VERIFY_BYTES
+    tail_start = scanned.end - verify_bytes
     torn: list[FoundRecord] = []
     for record in reversed(mine):
         if record.offset < tail_start or record.is_tombstone or _payload_ok(store, record):
