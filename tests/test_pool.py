@@ -258,3 +258,23 @@ def test_an_ssd_hit_is_promoted_in_the_background_only_if_asked(tmp_path: Path,
         stats = pool.stats()["pool"]
         assert stats["ssd_hits"] == 4  # the promotion's own reads are not counted as hits
         assert stats["promotions"] == (4 if promote else 0)
+
+
+def test_prefetch_max_pending_from_the_config_skips_rather_than_queues(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    cfg = small_config(tmp_path, dram={"eviction": "lru", "put_wait_s": 1.0},
+                       pool={"prefetch_max_pending": 1})
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(24)]  # the first 8 end up on SSD only
+        pool.put_many(ns, keys, [payload_for(x) for x in keys])
+        assert pool.flush(10)
+        pins = [p for p in pool.pin_many(ns, keys) if p is not None]  # every slot pinned
+        assert len(pins) == 16
+        first = pool.prefetch(ns, keys[:4])  # its move waits for a slot (put_wait_s)
+        assert first is not None
+        assert pool.prefetch(ns, keys[4:8]) is None  # one move queued already: skipped
+        assert pool.stats()["pool"]["prefetch_skipped"] == 1
+        for pin in pins:
+            pin.release()
+        assert first.result(10) >= 1

@@ -150,8 +150,8 @@ class PoolConfig(_Section):
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
     write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")
-    prefetch_max_pending: int = Field(4, ge=1, description="Prefetches (KVPool.prefetch: copying what only SSD or the nodes hold up into DRAM) queued at once; more are skipped (counted as prefetch_skipped), never waited for.")
-    prefetch_batch: int = Field(8, ge=1, description="Chunks a prefetch reads per batch; its scratch memory is this many chunks.")
+    prefetch_max_pending: int = Field(4, ge=1, description="Background moves up into DRAM (KVPool.prefetch, and promotions of chunks a read found only on SSD or the nodes) queued at once; more are skipped (counted as prefetch_skipped / promotions_skipped), never waited for.")
+    prefetch_batch: int = Field(8, ge=1, description="Chunks a background move reads per batch, straight into reserved DRAM slots.")
 
 
 class TenantToken(_Section):

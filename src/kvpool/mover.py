@@ -41,10 +41,11 @@ class Mover:
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
-    def submit(self, ns: Namespace, keys: Sequence[bytes], counter: str) -> Future[int] | None:
+    def submit(self, ns: Namespace, keys: Sequence[bytes], counter: str,
+               skipped: str) -> Future[int] | None:
         """Queue a job moving ``keys`` up (those DRAM lacks); None if there is nothing to do or
-        ``max_pending`` jobs are queued (counted as ``<counter>_skipped``). ``counter``
-        ("prefetched" or "promotions") counts the chunks moved."""
+        ``max_pending`` jobs are queued (counted as ``skipped``). ``counter`` counts the
+        chunks moved."""
         todo = [k for k, held in zip(keys, self._front.contains_many(keys, ns.id), strict=True)
                 if not held]
         if not todo:
@@ -53,7 +54,7 @@ class Mover:
             if self._closed:
                 return None
             if self._pending >= self._max_pending:
-                self._counters.add(f"{counter}_skipped")
+                self._counters.add(skipped)
                 return None
             self._pending += 1
             if self._executor is None:

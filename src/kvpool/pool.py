@@ -36,10 +36,6 @@ from kvpool.tiers.base import leading_run, read_tiers
 from kvpool.tiers.slots import PinnedView, SlotReservation
 from kvpool.tiers.stack import build_tiers
 
-#: Prefetches queued at once; more are skipped (counted) rather than waited for.
-PREFETCH_MAX_PENDING = 4
-#: Chunks a prefetch reads per batch.
-PREFETCH_BATCH = 8
 
 class ChunkReservation:
     """Room for one chunk being filled in place through ``view``; see ``KVPool.reserve``.
@@ -93,7 +89,8 @@ class KVPool:
         self._mover: Mover | None = None
         if self._front is not None and len(self._tiers) > 1:
             self._mover = Mover(self._front, self._stack.lower(), self._counters,
-                                PREFETCH_MAX_PENDING, PREFETCH_BATCH)
+                                self.config.pool.prefetch_max_pending,
+                                self.config.pool.prefetch_batch)
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
 
@@ -240,17 +237,19 @@ class KVPool:
         if self._mover is not None and self.config.pool.promote_on_hit:
             below = [k for k, tier in zip(keys, served, strict=True) if tier > 0]
             if below:
-                self._mover.submit(ns, below, "promotions")
+                self._mover.submit(ns, below, "promotions", "promotions_skipped")
         return [tier >= 0 for tier in served]
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> Future[int] | None:
         """Start copying the chunks that only slower tiers hold (SSD, storage nodes) up into
         DRAM, in the background, so a load that follows a lookup finds them there. Returns a
         future of how many were promoted, or None when there is nothing to do: no DRAM tier,
-        everything already in DRAM, or PREFETCH_MAX_PENDING moves already queued (the
-        request is skipped and counted, never waited for). Faults are misses, as in reads."""
+        everything already in DRAM, or ``pool.prefetch_max_pending`` moves already queued
+        (the request is skipped and counted, never waited for). Faults are misses, as in reads."""
         self._registered(ns, keys)
-        return self._mover.submit(ns, keys, "prefetched") if self._mover is not None else None
+        if self._mover is None:
+            return None
+        return self._mover.submit(ns, keys, "prefetched", "prefetch_skipped")
 
     def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
         """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,

@@ -79,10 +79,7 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
     ssd_staging: WriteBehind | None = None
     try:
         if cfg.ssd.enabled:
-            s = cfg.ssd
-            ssd = SsdTier(SsdEngine(cfg.ssd_path(), s.capacity, s.segment_size, s.durability,
-                                    s.io_threads, s.direct_io, s.eviction,
-                                    s.copy_forward_fraction))
+            ssd = SsdTier(SsdEngine.from_config(cfg))
             ssd_staging = WriteBehind(ssd.engine, cfg.pool.write_behind_bytes,
                                       cfg.pool.write_behind_batch)
             stack.tiers[:0] = [ssd_staging, ssd]
