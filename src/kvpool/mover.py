@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvpool.counters import Counters
@@ -26,7 +26,9 @@ log = logging.getLogger("kvpool.pool")
 
 class Mover:
     """``counters`` gets prefetched / promotions (chunks moved up) and *_skipped (jobs not
-    queued); its reads are not counted as the tiers' hits (those count callers' reads)."""
+    queued). A prefetch's reads count as the tiers' hits (``<tier>_hits``: it reads for the
+    load that follows, which then finds the chunks in DRAM); a promotion's do not (the read
+    that asked for it was counted already)."""
 
     def __init__(self, front: DramTier, lower: Sequence[Tier], counters: Counters,
                  max_pending: int, batch: int) -> None:
@@ -41,8 +43,8 @@ class Mover:
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
-    def submit(self, ns: Namespace, keys: Sequence[bytes], counter: str,
-               skipped: str) -> Future[int] | None:
+    def submit(self, ns: Namespace, keys: Sequence[bytes], counter: str, skipped: str,
+               count_hits: bool) -> Future[int] | None:
         """Queue a job moving ``keys`` up (those DRAM lacks); None if there is nothing to do or
         ``max_pending`` jobs are queued (counted as ``skipped``). ``counter`` counts the
         chunks moved."""
@@ -59,15 +61,16 @@ class Mover:
             self._pending += 1
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-mover")
-            return self._executor.submit(self._job, ns, todo, counter)
+            return self._executor.submit(self._job, ns, todo, counter, count_hits)
 
-    def _job(self, ns: Namespace, keys: list[bytes], counter: str) -> int:
+    def _job(self, ns: Namespace, keys: list[bytes], counter: str, count_hits: bool) -> int:
         moved = 0
+        add = self._counters.add if count_hits else _uncounted
         try:
             for start in range(0, len(keys), self._batch):
                 if self._closed:
                     break
-                moved += self._move(ns, keys[start:start + self._batch])
+                moved += self._move(ns, keys[start:start + self._batch], add)
         except PoolClosedError:
             pass  # closing: the move is moot
         except Exception:  # a read fault is a miss; a background move never surfaces errors
@@ -79,7 +82,7 @@ class Mover:
                 self._idle.notify_all()
         return moved
 
-    def _move(self, ns: Namespace, keys: list[bytes]) -> int:
+    def _move(self, ns: Namespace, keys: list[bytes], add: Callable[[str, int], None]) -> int:
         slots: list[SlotReservation] = []
         wanted: list[bytes] = []
         try:
@@ -88,8 +91,7 @@ class Mover:
                 if isinstance(slot, SlotReservation):  # True: already there; False: no room
                     slots.append(slot)
                     wanted.append(key)
-            served = read_tiers(self._lower, ns, wanted, [s.view for s in slots],
-                                _uncounted)
+            served = read_tiers(self._lower, ns, wanted, [s.view for s in slots], add)
             moved = 0
             for slot, tier in zip(slots, served, strict=True):
                 if tier >= 0:

@@ -237,7 +237,7 @@ class KVPool:
         if self._mover is not None and self.config.pool.promote_on_hit:
             below = [k for k, tier in zip(keys, served, strict=True) if tier > 0]
             if below:
-                self._mover.submit(ns, below, "promotions", "promotions_skipped")
+                self._mover.submit(ns, below, "promotions", "promotions_skipped", False)
         return [tier >= 0 for tier in served]
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> Future[int] | None:
@@ -249,7 +249,7 @@ class KVPool:
         self._registered(ns, keys)
         if self._mover is None:
             return None
-        return self._mover.submit(ns, keys, "prefetched", "prefetch_skipped")
+        return self._mover.submit(ns, keys, "prefetched", "prefetch_skipped", True)
 
     def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
         """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,
