@@ -415,16 +415,17 @@ class SsdEngine:
             if self._closed:
                 return
             self._closed = True
-            self._log.wait_idle()
+            self._log.close()
+            self._log.wait_idle()  # in-flight writes and a roll's IO: fds stay open for them
         self._io.shutdown(wait=True)
         self._pieces.shutdown(wait=True)
         self._store.close()
 
     def touch(self, key: bytes) -> bool:
         """Mark a chunk as read (copied forward by second_chance eviction) without reading
-        it. Never waits: False if absent, closed, or the engine's lock is held right now (a
-        segment roll holds it across its IO); a skipped touch is counted (touch_skipped),
-        since touches are best effort."""
+        it. Never waits: False if absent, closed, or the engine's lock is held right now
+        (briefly: no IO runs under it); a skipped touch is counted (touch_skipped), since
+        touches are best effort."""
         if self._closed:
             return False
         if not self._lock.acquire(blocking=False):
