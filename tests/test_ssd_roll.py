@@ -4,6 +4,8 @@ the exact bytes written."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -202,3 +204,36 @@ def test_threads_putting_and_reading_across_rolls_read_misses_or_exact_bytes(
         if engine.contains(key(i)):
             got = read(engine, i)
             assert got is not None and np.array_equal(got, data(i)), i
+
+
+@contextlib.contextmanager
+def writes_fail(engine: SsdEngine, segment: int) -> Iterator[None]:
+    """Within the block, writing ``segment`` fails in the kernel (EBADF: its fd is swapped
+    for a read-only one of the same file); reading works."""
+    fd = engine._store.fd(segment)
+    saved = os.dup(fd)
+    read_only = os.open(os.readlink(f"/proc/self/fd/{fd}"), os.O_RDONLY)
+    os.dup2(read_only, fd)
+    os.close(read_only)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def test_a_failed_header_write_gives_the_segment_back(engine: SsdEngine) -> None:
+    n = fill_with_hot_victim(engine)
+    loc = engine._index.get(key(HOT[0]))
+    assert loc is not None
+    with writes_fail(engine, loc.segment), pytest.raises(OSError):  # the victim is reused
+        while True:
+            engine.put(key(n), NS, data(n))
+            n += 1
+    st = engine.stats()
+    assert st["segments_evicted"] == 1 and st["free_segments"] == 1
+    assert st["copied_forward"] == 0 and not engine.contains(key(HOT[0]))
+    assert engine.put(key(n), NS, data(n))  # the next roll takes the segment again
+    got = read(engine, n)
+    assert got is not None and np.array_equal(got, data(n))
+    assert engine.stats()["free_segments"] == 0

@@ -6,8 +6,9 @@ sealed segment's summary, or a walk of its self-describing records where it has 
 replayed in sequence order (tombstones replayed, a torn tail discarded). When the log is
 full the oldest segment is freed whole; the segment policy may copy its recently read records
 forward first. Segment states, the log head and eviction
-live in log.py, laying records out into pwritev calls in writer.py, the scan on open in
-recovery.py; this module holds the index, the public API and the read path.
+live in log.py, laying records out into pwritev calls in writer.py, reading one back in
+reader.py, the scan on open in recovery.py; this module holds the index, the public API and
+the checks that make a read a hit or a miss.
 
 Failure contract: a read never returns bytes that fail the header or payload checksum, the key
 check or the length check; such reads are counted misses. IO errors on reads are counted
@@ -26,8 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-import xxhash
-
 from kvpool.buffers import byte_view
 from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError, CorruptRecordError, PoolClosedError
@@ -41,12 +40,11 @@ from kvpool.record import (
     RecordHeader,
     payload_checksum,
     record_size,
-    round_up,
-    unpack_header,
 )
-from kvpool.ssd.directio import DirectMode, ThreadBuffers, is_direct_capable
+from kvpool.ssd.directio import DirectMode, ThreadBuffers
 from kvpool.ssd.index import CompactIndex, Location
 from kvpool.ssd.log import SegmentLog
+from kvpool.ssd.reader import PIPELINE_THREADS, read_record
 from kvpool.ssd.recovery import scan_media
 from kvpool.ssd.segments import SegmentStore
 from kvpool.ssd.writer import Pending, write_batch
@@ -54,12 +52,6 @@ from kvpool.ssd.writer import Pending, write_batch
 log = logging.getLogger("kvpool.ssd")
 
 Durability = Literal["cache", "durable"]
-
-# A single large get_into is read in pieces so the checksum overlaps the IO (batched reads
-# already overlap one another on the IO pool and are not split).
-PIPELINE_MIN_BYTES = 1 << 20
-PIPELINE_PIECE_BYTES = 512 << 10
-PIPELINE_THREADS = 2
 
 
 class SsdEngine:
@@ -339,34 +331,15 @@ class SsdEngine:
         if record_size(nbytes) != loc.blocks * BLOCK:
             raise ChunkSizeError(f"output buffer of {nbytes} bytes does not match the stored "
                                  f"record of {loc.blocks * BLOCK} bytes")
-        fd, pos = self._store.fd(loc.segment), self._store.base(loc.segment) + loc.block * BLOCK
-        hblock = self._tls.header
-        direct_into_out = not self._store.direct or is_direct_capable(out)
-        payload = out if direct_into_out else self._tls.staging_of(round_up(nbytes))
-        # One thread reads header + first piece and hashes each piece as it lands while the
-        # piece pool reads the rest: the checksum no longer waits for the whole IO.
-        split = pipelined and direct_into_out and nbytes >= PIPELINE_MIN_BYTES
-        first = PIPELINE_PIECE_BYTES if split else len(payload)
-        rest = [(o, min(PIPELINE_PIECE_BYTES, nbytes - o))
-                for o in range(first, nbytes, PIPELINE_PIECE_BYTES)] if split else []
-        futures = [self._pieces.submit(os.preadv, fd, [payload[o:o + n]],
-                                       pos + HEADER_BLOCK + o) for o, n in rest]
         try:
-            got = os.preadv(fd, [hblock, payload[:first]], pos)
-            h = unpack_header(hblock)
-            hasher = xxhash.xxh3_64(payload[:min(first, nbytes)])
-            for future, (o, n) in zip(futures, rest, strict=True):
-                got += future.result()
-                hasher.update(payload[o:o + n])
+            read = read_record(self._store, self._tls, self._pieces, loc, out, pipelined)
         except OSError as exc:
             self._counters.add("io_errors")
             log.warning("ssd: read error %s; served as a miss", exc)
             return self._miss()
         except CorruptRecordError as exc:
             return self._corrupt(key, loc, str(exc))
-        finally:
-            for future in futures:  # never leave a piece landing in `out` after we return
-                future.exception()
+        h, got = read.header, read.got
         if h.key != key:  # the segment was recycled under us: the record is simply gone
             self._counters.add("stale_reads")
             return self._miss()
@@ -374,10 +347,10 @@ class SsdEngine:
             return self._wrong_namespace()  # re-put under another namespace since _locate
         if got < HEADER_BLOCK + nbytes or h.payload_len != nbytes or h.is_tombstone:
             return self._corrupt(key, loc, "length mismatch")
-        if hasher.intdigest() != h.checksum:
+        if read.digest != h.checksum:
             return self._corrupt(key, loc, "payload checksum mismatch")
-        if payload is not out:
-            out[:] = payload[:nbytes]
+        if read.payload is not out:
+            out[:] = read.payload[:nbytes]
         self._counters.add("hits")
         return True
 
