@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvpool import KVLayout, Namespace
+from kvpool.errors import PoolClosedError
 from kvpool.ssd.engine import SsdEngine
 
 NS = Namespace("m", KVLayout("uint8", 1, 1, 4096, 1, kv_factor=1))
@@ -237,3 +238,26 @@ def test_a_failed_header_write_gives_the_segment_back(engine: SsdEngine) -> None
     got = read(engine, n)
     assert got is not None and np.array_equal(got, data(n))
     assert engine.stats()["free_segments"] == 0
+
+
+def test_close_during_a_roll_waits_for_its_io(tmp_path: Path) -> None:
+    e = SsdEngine(tmp_path, CAP, SEG, "cache", eviction="second_chance",
+                  copy_forward_fraction=0.5)
+    n = fill_with_hot_victim(e)
+    parked = Parked(e._log, "_read_block", lambda *a: True)
+    writer = roll_in_background(e, n)
+    assert parked.inside.wait(timeout=60)
+    closer = threading.Thread(target=e.close)
+    closer.start()
+    closer.join(timeout=0.2)
+    still_waiting = closer.is_alive()  # it cannot finish while the roll is parked
+    parked.release.set()
+    writer.join()
+    closer.join()
+    assert still_waiting
+    # The roll's IO and the put that triggered it landed on open files: nothing failed.
+    st = e.stats()
+    assert st["segments_evicted"] == 1 and st["copied_forward"] == len(HOT)
+    assert st["io_errors"] == 0
+    with pytest.raises(PoolClosedError):
+        e.put(key(10**7), NS, data(0))
