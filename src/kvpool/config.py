@@ -179,6 +179,11 @@ class ServerConfig(_Section):
     max_namespaces: int = Field(4096, ge=1, description="Namespaces the node keeps registered; past it, the least recently used one that no connection has declared is forgotten (its chunks stay stored and serve again once declared). A NAMESPACE that would need more, all in use, is refused BUSY.")
     idle_timeout_s: float = Field(300.0, gt=0, description="A connection silent this long (or stalled mid-frame) is closed.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time allowed for in-flight requests and the write-behind queue.")
+    max_namespaces_per_connection: int = Field(256, ge=1, description="Namespaces one connection may declare (bounds per-connection memory); a NAMESPACE past it is refused BAD_REQUEST.")
+    max_refusing: int = Field(32, ge=0, description="Connections over max_connections held open at once until their first request is answered BUSY; more are closed without an answer.")
+    offload_bytes: Size = Field(512 << 10, description="While more than one request is in flight, a payload at least this large is received or sent on a network thread (the copy out of the kernel releases the GIL) instead of the event loop.")
+    worker_threads: int = Field(0, ge=0, le=256, description="Threads for pool work the event loop must not wait on (lookups, SSD reads, deletes, durable commits, STATS). 0 = max(4, ssd.io_threads).")
+    net_threads: int = Field(16, ge=1, le=256, description="Network threads that move large payloads (see offload_bytes).")
 
     @model_validator(mode="after")
     def _admin_needs_auth(self) -> ServerConfig:

@@ -27,22 +27,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvpool import __version__
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
-from kvpool.server.auth import Authenticator
-from kvpool.server.connection import Connection
-from kvpool.server.registry import NamespaceRegistry
-from kvpool.server.tenants import TenantCounters
+from kvpool.server.connection import Connection, Traffic
+from kvpool.server.store import NodeStore
 
 log = logging.getLogger("kvpool.serve")
-
-#: Connections over server.max_connections kept open at once until their first request is
-#: answered BUSY; more are closed straight away.
-MAX_REFUSING = 32
 
 
 class NodeStartError(KVPoolError):
@@ -51,24 +44,20 @@ class NodeStartError(KVPoolError):
 
 
 class StorageNode:
-    """One node. Raises OSError if the port cannot be bound or the media cannot be opened,
-    and NodeStartError for tier geometry the media cannot hold, before serving anything."""
+    """One node: the transport (this accept loop, the connections of connection.py) in
+    front of a NodeStore (store.py) over an embedded KVPool. Raises OSError if the port
+    cannot be bound or the media cannot be opened, and NodeStartError for tier geometry the
+    media cannot hold, before serving anything."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.auth = Authenticator(config.server.auth, config.server.admin_token)
-        self.tenant_counts = TenantCounters(self.auth.tenants)
-        self.executor = ThreadPoolExecutor(max(4, config.ssd.io_threads),
+        srv = config.server
+        self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
-        self.net_executor = ThreadPoolExecutor(16, thread_name_prefix="kvpool-node-net")
-        self._counters: dict[str, int] = {}  # event-loop thread only (stats() copies)
-        self._inflight = 0
-        self._connections: dict[asyncio.Task[None], Connection] = {}
+        self.traffic = Traffic(srv.net_threads)
+        self._connections = self.traffic.served
         self._refusing: dict[asyncio.Task[None], Connection] = {}
         self._say_refused = RateLimited()
-        self.draining = False
-        self.started = time.time()
-        srv = config.server
         self.listener = socket.create_server((srv.host, srv.port), backlog=512,
                                              reuse_port=False)
         self.listener.setblocking(False)
@@ -83,53 +72,10 @@ class StorageNode:
         except BaseException:
             self.listener.close()
             raise
-        self.namespaces = NamespaceRegistry(self.pool, srv.max_namespaces)
+        self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
 
-    # ------------------------------------------------------------------ bookkeeping
     def count(self, name: str, n: int = 1) -> None:
-        self._counters[name] = self._counters.get(name, 0) + n
-
-    @property
-    def busy(self) -> bool:
-        """More than one request in flight: large transfers then go to network threads."""
-        return self._inflight > 1
-
-    def begin_request(self) -> None:
-        self._inflight += 1
-
-    def end_request(self) -> None:
-        self._inflight -= 1
-
-    def count_tenant(self, tenant: str, name: str, n: int = 1) -> None:
-        if self.auth.enabled:
-            self.tenant_counts.add(tenant, name, n)
-
-    def _identity(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "version": __version__,
-                "uptime_s": round(time.time() - self.started, 1)}
-
-    def _tenant_table(self, tenants: frozenset[str]) -> dict[str, dict[str, int]]:
-        connections: dict[str, int] = {}
-        for conn in self._connections.values():
-            for tenant in conn.tenants or ():
-                connections[tenant] = connections.get(tenant, 0) + 1
-        return self.tenant_counts.snapshot(tenants, connections)
-
-    async def stats_for(self, conn: Connection) -> dict[str, Any]:
-        """STATS as ``conn`` may see them. With auth on, a tenant token gets the node's
-        identity and its own tenants' counters only; the admin token (and every connection
-        when auth is off) gets the node-wide figures of every tier, plus every tenant's."""
-        if self.auth.enabled and not conn.admin:
-            return {"server": self._identity(),
-                    "tenants": self._tenant_table(conn.tenants or frozenset())}
-        server: dict[str, Any] = dict(self._counters)  # copied on the loop that writes it
-        server.update(self._identity(), connections=len(self._connections),
-                      inflight_requests=self._inflight, **self.namespaces.stats())
-        out: dict[str, Any] = {"server": server}
-        if self.auth.enabled:
-            out["tenants"] = self._tenant_table(self.auth.tenants)
-        tiers = await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.stats)
-        return {**out, **tiers}
+        self.store.counters.add(name, n)
 
     # ------------------------------------------------------------------ serving
     async def _accept_loop(self) -> None:
@@ -156,7 +102,7 @@ class StorageNode:
         except OSError:  # reset before we got to it
             sock.close()
             return
-        if self.draining:
+        if self.traffic.draining:
             sock.close()
             return
         limit = self.config.server.max_connections
@@ -164,21 +110,22 @@ class StorageNode:
             self._refuse(sock, limit)
             return
         self.count("connections_accepted")
-        self._start(Connection(self, sock), self._connections)
+        self._start(Connection(self.store, self.traffic, sock), self._connections)
 
     def _refuse(self, sock: socket.socket, limit: int) -> None:
         """Over max_connections: answer the first request BUSY (within auth_timeout_s), then
-        close. Past MAX_REFUSING such connections at once, close without an answer."""
+        close. Past server.max_refusing such connections at once, close without an answer."""
         self.count("connections_refused")
         held = self._say_refused.due()
         if held is not None:
             log.warning("refusing connections over server.max_connections=%d%s", limit,
                         f" ({held} more since the last report)" if held else "")
-        if len(self._refusing) >= MAX_REFUSING:
+        if len(self._refusing) >= self.config.server.max_refusing:
             sock.close()
             return
         message = f"node {self.node_id} already serves server.max_connections={limit}"
-        self._start(Connection(self, sock, refusal=message), self._refusing)
+        self._start(Connection(self.store, self.traffic, sock, refusal=message),
+                    self._refusing)
 
     def _start(self, conn: Connection, table: dict[asyncio.Task[None], Connection]) -> None:
         task = asyncio.create_task(self._serve_connection(conn))
@@ -252,13 +199,13 @@ class StorageNode:
         return reg
 
     async def _shutdown(self, accept: asyncio.Task[None], registration: Any) -> None:
-        self.draining = True
+        self.traffic.draining = True
         accept.cancel()
         self.listener.close()
         if registration is not None:
             await asyncio.get_running_loop().run_in_executor(None, registration.close)
         deadline = time.monotonic() + self.config.server.drain_timeout_s
-        while self._inflight and time.monotonic() < deadline:
+        while self.traffic.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         tasks = [*self._connections, *self._refusing]
         for task in tasks:
@@ -277,7 +224,7 @@ class StorageNode:
         self.listener.close()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
-        self.net_executor.shutdown(wait=True)
+        self.traffic.net_executor.shutdown(wait=True)
 
 
 def run(config: Config) -> int:

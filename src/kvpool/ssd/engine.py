@@ -6,8 +6,9 @@ sealed segment's summary, or a walk of its self-describing records where it has 
 replayed in sequence order (tombstones replayed, a torn tail discarded). When the log is
 full the oldest segment is freed whole; the segment policy may copy its recently read records
 forward first. Segment states, the log head and eviction
-live in log.py, laying records out into pwritev calls in writer.py, the scan on open in
-recovery.py; this module holds the index, the public API and the read path.
+live in log.py, laying records out into pwritev calls in writer.py, reading one back in
+reader.py, the scan on open in recovery.py; this module holds the index, the public API and
+the checks that make a read a hit or a miss.
 
 Failure contract: a read never returns bytes that fail the header or payload checksum, the key
 check or the length check; such reads are counted misses. IO errors on reads are counted
@@ -26,8 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-import xxhash
-
 from kvpool.buffers import byte_view
 from kvpool.config import Config, SsdConfig
 from kvpool.counters import Counters
@@ -42,14 +41,13 @@ from kvpool.record import (
     RecordHeader,
     payload_checksum,
     record_size,
-    round_up,
-    unpack_header,
 )
-from kvpool.ssd.directio import DirectMode, ThreadBuffers, is_direct_capable
-from kvpool.ssd.index import CompactIndex, Location
+from kvpool.ssd.directio import DirectMode, ThreadBuffers
+from kvpool.ssd.index import CompactIndex, Location, NamespaceIds
 from kvpool.ssd.log import SegmentLog
+from kvpool.ssd.reader import read_record
 from kvpool.ssd.recovery import scan_media
-from kvpool.ssd.segments import SegmentStore
+from kvpool.ssd.segments import SegmentStore, check_geometry
 from kvpool.ssd.writer import Pending, write_batch
 
 log = logging.getLogger("kvpool.ssd")
@@ -79,28 +77,19 @@ class SsdEngine:
                  read_piece_bytes: int = _DEFAULTS.read_piece_bytes,
                  read_pipeline_threads: int = _DEFAULTS.read_pipeline_threads,
                  tail_verify_bytes: int = _DEFAULTS.tail_verify_bytes) -> None:
-        if segment_size % BLOCK or segment_size < 4 * BLOCK:
-            raise ValueError(f"ssd.segment_size must be a multiple of {BLOCK} and at least "
-                             f"{4 * BLOCK}, got {segment_size}")
-        if read_piece_bytes <= 0 or read_piece_bytes % BLOCK:
-            raise ValueError(f"ssd.read_piece_bytes must be a positive multiple of {BLOCK}, "
-                             f"got {read_piece_bytes}")
+        check_geometry(capacity, segment_size, read_piece_bytes)
         if durability not in ("cache", "durable"):
             raise ValueError(f"ssd.durability must be 'cache' or 'durable', got {durability!r}")
         self.durability: Durability = durability
         policy = make_segment_policy(eviction)
         forward_budget_blocks = int(copy_forward_fraction * segment_size) // BLOCK
-        if capacity // segment_size > 0xFFFF:
-            raise ValueError(f"ssd.capacity={capacity} is more than 65535 segments of "
-                             f"ssd.segment_size={segment_size}; raise ssd.segment_size")
         self._store = SegmentStore(Path(path), capacity, segment_size, direct_io)
         self.segment_size = segment_size
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._durable_lock = threading.Lock()
         self._index = CompactIndex()
-        self._ns_ids: list[bytes] = []
-        self._ns_lookup: dict[bytes, int] = {}
+        self._ns = NamespaceIds()
         self._closed = False
         self._tls = ThreadBuffers()
         self._io_threads = io_threads
@@ -165,7 +154,7 @@ class SsdEngine:
         self._log.restore(scan)
         self._counters.add("torn_discarded", scan.torn_discarded)
         self._index.reserve(len(self._index) + len(scan.records))
-        put, ns_index = self._index.put, self._ns_index  # the common case, without _replay
+        put, ns_index = self._index.put, self._ns.number  # the common case, without _replay
         for r in scan.records:
             if r.flags:
                 self._replay(r.key, r.namespace_id, r.flags, r.segment, r.block, r.blocks)
@@ -174,16 +163,6 @@ class SsdEngine:
         if scan.records:
             log.info("ssd: recovered %d records in %d segments", len(self._index),
                      len(self._log.fifo))
-
-    def _ns_index(self, ns_id: bytes) -> int:
-        idx = self._ns_lookup.get(ns_id)
-        if idx is None:
-            if len(self._ns_ids) >= 0xFFFF:
-                raise ValueError("more than 65535 namespaces on one SSD engine")
-            idx = len(self._ns_ids)
-            self._ns_ids.append(ns_id)
-            self._ns_lookup[ns_id] = idx
-        return idx
 
     def _apply(self, h: RecordHeader, seg_no: int, offset: int) -> None:
         """Index one record just written (lock held)."""
@@ -194,13 +173,13 @@ class SsdEngine:
                 blocks: int) -> None:
         """Apply one record to the index (recovery and live writes alike)."""
         if flags & FLAG_NS_TOMBSTONE:
-            idx = self._ns_lookup.get(namespace_id)
-            if idx is not None:
+            idx = self._ns.find(namespace_id)
+            if idx >= 0:
                 self._index.remove_slots(self._index.slots_where(ns_index=idx))
         elif flags & FLAG_TOMBSTONE:
             self._index.remove(key)
         else:
-            self._index.put(key, seg_no, block, blocks, self._ns_index(namespace_id))
+            self._index.put(key, seg_no, block, blocks, self._ns.number(namespace_id))
 
     # ------------------------------------------------------------------ writes
     def _check_open(self) -> None:
@@ -232,7 +211,7 @@ class SsdEngine:
             pending.append(Pending(header, view, -1))
         with self._lock:
             for p in pending:
-                p.ns_index = self._ns_index(p.header.namespace_id)
+                p.ns_index = self._ns.number(p.header.namespace_id)
         self._append(pending)
         self._counters.add("puts", len(pending))
         self._counters.add("put_bytes", sum(p.payload.nbytes for p in pending))
@@ -271,7 +250,7 @@ class SsdEngine:
 
     def _append_marker(self, header: RecordHeader) -> None:
         with self._lock:
-            ns_index = self._ns_index(header.namespace_id)
+            ns_index = self._ns.number(header.namespace_id)
         self._append([Pending(header, memoryview(b""), ns_index)])
 
     def delete(self, key: bytes) -> bool:
@@ -281,7 +260,7 @@ class SsdEngine:
             loc = self._index.get(key)
             if loc is None:
                 return False
-            ns_id = self._ns_ids[loc.ns_index]
+            ns_id = self._ns.id_of(loc.ns_index)
         self._append_marker(RecordHeader(bytes(key), ns_id, 0, 0, 0, 0, FLAG_TOMBSTONE))
         self._counters.add("deletes")
         return True
@@ -291,8 +270,8 @@ class SsdEngine:
         many were dropped."""
         self._check_open()
         with self._lock:
-            idx = self._ns_lookup.get(namespace_id)
-            if idx is None:
+            idx = self._ns.find(namespace_id)
+            if idx < 0:
                 return 0
             count = int(self._index.slots_where(ns_index=idx).size)
         self._append_marker(RecordHeader(bytes(KEY_BYTES), namespace_id, 0, 0, 0, 0,
@@ -307,13 +286,13 @@ class SsdEngine:
             if namespace_id is None:
                 return key in self._index
             ns_index = self._index.ns_index_of(key)
-            return ns_index >= 0 and self._ns_ids[ns_index] == namespace_id
+            return ns_index >= 0 and self._ns.id_of(ns_index) == namespace_id
 
     def contains_many(self, keys: Sequence[bytes], namespace_id: bytes) -> list[bool]:
         """``contains`` for a batch, under one lock acquisition."""
         self._check_open()
         with self._lock:
-            want = self._ns_lookup.get(namespace_id, -1)
+            want = self._ns.find(namespace_id)
             ns_index_of = self._index.ns_index_of
             return [want >= 0 and ns_index_of(k) == want for k in keys]
 
@@ -354,40 +333,22 @@ class SsdEngine:
             return False
         # The index knows each record's namespace: a foreign one costs no IO (and is not a
         # ChunkSizeError when the other namespace's chunks differ in size).
-        if namespace_id is not None and self._ns_ids[loc.ns_index] != namespace_id:
+        if namespace_id is not None and self._ns.id_of(loc.ns_index) != namespace_id:
             return self._wrong_namespace()
         nbytes = out.nbytes
         if record_size(nbytes) != loc.blocks * BLOCK:
             raise ChunkSizeError(f"output buffer of {nbytes} bytes does not match the stored "
                                  f"record of {loc.blocks * BLOCK} bytes")
-        fd, pos = self._store.fd(loc.segment), self._store.base(loc.segment) + loc.block * BLOCK
-        hblock = self._tls.header
-        direct_into_out = not self._store.direct or is_direct_capable(out)
-        payload = out if direct_into_out else self._tls.staging_of(round_up(nbytes))
-        # One thread reads header + first piece and hashes each piece as it lands while the
-        # piece pool reads the rest: the checksum no longer waits for the whole IO.
-        split = pipelined and direct_into_out and nbytes >= self._pipeline_min
-        first = self._piece if split else len(payload)
-        rest = [(o, min(self._piece, nbytes - o))
-                for o in range(first, nbytes, self._piece)] if split else []
-        futures = [self._pieces.submit(os.preadv, fd, [payload[o:o + n]],
-                                       pos + HEADER_BLOCK + o) for o, n in rest]
         try:
-            got = os.preadv(fd, [hblock, payload[:first]], pos)
-            h = unpack_header(hblock)
-            hasher = xxhash.xxh3_64(payload[:min(first, nbytes)])
-            for future, (o, n) in zip(futures, rest, strict=True):
-                got += future.result()
-                hasher.update(payload[o:o + n])
+            read = read_record(self._store, self._tls, self._pieces, loc, out,
+                               self._pipeline_min if pipelined else None, self._piece)
         except OSError as exc:
             self._counters.add("io_errors")
             log.warning("ssd: read error %s; served as a miss", exc)
             return self._miss()
         except CorruptRecordError as exc:
             return self._corrupt(key, loc, str(exc))
-        finally:
-            for future in futures:  # never leave a piece landing in `out` after we return
-                future.exception()
+        h, got = read.header, read.got
         if h.key != key:  # the segment was recycled under us: the record is simply gone
             self._counters.add("stale_reads")
             return self._miss()
@@ -395,10 +356,10 @@ class SsdEngine:
             return self._wrong_namespace()  # re-put under another namespace since _locate
         if got < HEADER_BLOCK + nbytes or h.payload_len != nbytes or h.is_tombstone:
             return self._corrupt(key, loc, "length mismatch")
-        if hasher.intdigest() != h.checksum:
+        if read.digest != h.checksum:
             return self._corrupt(key, loc, "payload checksum mismatch")
-        if payload is not out:
-            out[:] = payload[:nbytes]
+        if read.payload is not out:
+            out[:] = read.payload[:nbytes]
         self._counters.add("hits")
         return True
 
@@ -436,16 +397,17 @@ class SsdEngine:
             if self._closed:
                 return
             self._closed = True
-            self._log.wait_idle()
+            self._log.close()
+            self._log.wait_idle()  # in-flight writes and a roll's IO: fds stay open for them
         self._io.shutdown(wait=True)
         self._pieces.shutdown(wait=True)
         self._store.close()
 
     def touch(self, key: bytes) -> bool:
         """Mark a chunk as read (copied forward by second_chance eviction) without reading
-        it. Never waits: False if absent, closed, or the engine's lock is held right now (a
-        segment roll holds it across its IO); a skipped touch is counted (touch_skipped),
-        since touches are best effort."""
+        it. Never waits: False if absent, closed, or the engine's lock is held right now
+        (briefly: no IO runs under it); a skipped touch is counted (touch_skipped), since
+        touches are best effort."""
         if self._closed:
             return False
         if not self._lock.acquire(blocking=False):

@@ -195,3 +195,30 @@ class CompactIndex:
                 i = i + 1 if i + 1 < cap else 0
             self._store(i, a, old[1][j], old[2][j], old[3][j], old[4][j], old[5][j], old[6][j])
             self._count += 1
+
+
+class NamespaceIds:
+    """The 16-bit number the index stores per record for each namespace id (the SSD engine's
+    table; not thread-safe, used under the engine lock)."""
+
+    def __init__(self) -> None:
+        self._ids: list[bytes] = []
+        self._numbers: dict[bytes, int] = {}
+
+    def number(self, namespace_id: bytes) -> int:
+        """The namespace's number, given one on first use. Raises ValueError past 65535."""
+        idx = self._numbers.get(namespace_id)
+        if idx is None:
+            if len(self._ids) >= 0xFFFF:
+                raise ValueError("more than 65535 namespaces on one SSD engine")
+            idx = len(self._ids)
+            self._ids.append(namespace_id)
+            self._numbers[namespace_id] = idx
+        return idx
+
+    def find(self, namespace_id: bytes) -> int:
+        """The namespace's number, or -1 if it never had one."""
+        return self._numbers.get(namespace_id, -1)
+
+    def id_of(self, number: int) -> bytes:
+        return self._ids[number]

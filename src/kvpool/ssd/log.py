@@ -5,10 +5,12 @@ it; the segment's ``inflight`` count covers those writes. When the next record d
 the active segment is sealed (once its in-flight writes are done, its summary is written at
 its end: summary.py) and a free one opened; when none is free the oldest sealed segment
 is freed whole (once its in-flight writes finish), its recently read records copied forward to
-the new head as the segment policy picks them.
+the new head as the segment policy picks them. A roll, like an append, does its IO outside
+the lock: writers wait for it, readers and index probes do not (``_roll``).
 
 Not thread-safe by itself: every method is called with the engine lock held (the lock of the
-``cond`` it is given) and may wait on ``cond``, releasing it.
+``cond`` it is given) and may wait on ``cond``, releasing it; ``_roll`` also releases it
+around its IO.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool.counters import Counters
-from kvpool.errors import CorruptRecordError
+from kvpool.errors import CorruptRecordError, PoolClosedError
 from kvpool.policy.segments import SegmentPolicy
 from kvpool.record import (
     BLOCK,
@@ -39,7 +41,7 @@ from kvpool.ssd.directio import aligned_buffer
 from kvpool.ssd.index import CompactIndex
 from kvpool.ssd.recovery import Scan
 from kvpool.ssd.segments import SegmentHeader, SegmentStore
-from kvpool.ssd.writer import Pending
+from kvpool.ssd.writer import MAX_IOV, Pending, pwritev_all
 
 log = logging.getLogger("kvpool.ssd")
 
@@ -92,6 +94,7 @@ class SegmentLog:
         self.free: list[int] = []
         self._active = -1
         self._rolling = False
+        self._closed = False
         self._seq = 0
 
     def restore(self, scan: Scan) -> None:
@@ -117,9 +120,12 @@ class SegmentLog:
     def reserve(self, pending: list[Pending], start: int) -> int:
         """Place records from ``pending[start:]`` into the active segment (rolling first if
         the next one does not fit) and count the batch in flight there until ``release``.
-        Returns how many were placed; lock held."""
+        Returns how many were placed; lock held. Raises PoolClosedError once ``close`` was
+        called, and what ``_roll`` raises."""
         while self._rolling:
             self._cond.wait()
+        if self._closed:
+            raise PoolClosedError("SSD engine is closed")
         segment_size = self._store.segment_size
         first = pending[start]
         size = record_size(first.payload.nbytes)
@@ -150,38 +156,67 @@ class SegmentLog:
         self._cond.notify_all()
 
     def wait_idle(self) -> None:
-        """Wait until no segment has writes in flight; lock held."""
-        while any(s.inflight for s in self.segments):
+        """Wait until no segment has writes in flight and no roll is doing IO; lock held."""
+        while self._rolling or any(s.inflight for s in self.segments):
             self._cond.wait()
 
+    def close(self) -> None:
+        """No reservation succeeds after this (a writer waiting for a roll is refused when it
+        wakes); lock held. The engine then waits for ``wait_idle`` before closing fds."""
+        self._closed = True
+
     def _roll(self) -> None:
-        """Seal the active segment and open a fresh one, evicting the oldest if none is free.
-        Called with the lock held; may wait (releasing it) for writes into the victim."""
+        """Seal the active segment and open a fresh one, evicting the oldest if none is free,
+        its hot records copied forward to the new head.
+
+        Called with the lock held. Writers wait for the whole roll (``_rolling``); readers
+        and index probes do not: the lock is dropped for every IO (the summary, the
+        copy-forward reads, the new segment header, the forward writes) and taken only to
+        change the bookkeeping. The index never points at bytes being overwritten: the
+        victim's entries go before the victim is reused as the new head, and a copied-forward
+        record is indexed again only once its new copy has landed (synced, in durable mode),
+        so in between it reads as absent. Raises OSError when the new segment header cannot
+        be written (the segment goes back to the free list; the next writer tries again);
+        a failed summary or forward write is logged and costs only what it wrote."""
         self._rolling = True
         try:
-            self._seal_active()
+            sealed = self._seal_active()
+            victim, picked = self._pick_victim() if not self.free else (-1, [])
             forward: list[tuple[bytes, int, memoryview]] = []
-            if not self.free:
-                forward = self._evict_oldest()
+            self._cond.release()
+            try:
+                if sealed is not None:
+                    self._write_summary(*sealed)
+                forward = self._read_forward(victim, picked)
+            finally:
+                self._cond.acquire()
+                if victim >= 0:  # even after an unexpected error: never leak the segment
+                    self._evict(victim, len(forward))
             seg_no = self.free.pop()
             seg = self.segments[seg_no] = Segment(ACTIVE, self._next_seq())
-            header = SegmentHeader(self._store.segment_size, seg_no, seg.start_seq).pack()
-            os.pwritev(self._store.fd(seg_no), [header], self._store.base(seg_no))
-            if self._durable:
-                self._store.sync(seg_no)
+            placed = self._place_forward(seg, forward)
+            self._cond.release()
+            try:
+                landed = self._write_head(seg_no, seg.start_seq, placed)
+            except BaseException:
+                self._cond.acquire()
+                self.segments[seg_no] = Segment()
+                self.free.append(seg_no)
+                self._counters.add("records_evicted", len(placed))
+                raise
+            self._cond.acquire()
             self._active = seg_no
-            self._write_forward(forward)
+            self._index_forward(seg_no, seg, placed, landed)
         finally:
             self._rolling = False
             self._cond.notify_all()
 
-    def _seal_active(self) -> None:
-        """Seal the active segment: once the writes reserved in it are done, write its
-        summary (synced in durable mode). A failed summary write is logged, not raised: the
-        segment is then walked on the next open."""
+    def _seal_active(self) -> tuple[int, list[summary.SummaryEntry], list[bytes], int] | None:
+        """Seal the active segment once the writes reserved in it are done; returns what its
+        summary is written from (outside the lock). Lock held."""
         seg_no = self._active
         if seg_no < 0:
-            return
+            return None
         seg = self.segments[seg_no]
         while seg.inflight:
             self._cond.wait()
@@ -189,18 +224,25 @@ class SegmentLog:
         self.fifo.append(seg_no)
         self._active = -1
         entries = [e for e in seg.entries if e.seq not in seg.failed]
+        sealed = (seg_no, entries, list(seg.ns_table), seg.start_seq)
+        seg.entries, seg.ns_table, seg.failed = [], {}, set()
+        return sealed
+
+    def _write_summary(self, seg_no: int, entries: list[summary.SummaryEntry],
+                       ns_ids: list[bytes], start_seq: int) -> None:
+        """The sealed segment's summary (synced in durable mode). A failed write is logged,
+        not raised: the segment is then walked on the next open."""
         try:
-            summary.write(self._store, seg_no, entries, list(seg.ns_table), seg.start_seq)
+            summary.write(self._store, seg_no, entries, ns_ids, start_seq)
             if self._durable:
                 self._store.sync(seg_no)
         except OSError as exc:
             log.warning("ssd: could not write the summary of segment %d: %s", seg_no, exc)
-        seg.entries, seg.ns_table, seg.failed = [], {}, set()
 
-    def _read_block(self, segment: int, offset: int, out: memoryview) -> int:
-        return os.preadv(self._store.fd(segment), [out], self._store.base(segment) + offset)
-
-    def _evict_oldest(self) -> list[tuple[bytes, int, memoryview]]:
+    def _pick_victim(self) -> tuple[int, list[tuple[bytes, int, int, int]]]:
+        """Take the oldest sealed segment off the log and pick, by the segment policy, the
+        records to copy forward: (key, ns_index, offset, size) each. Its entries stay indexed
+        (and readable) until ``_evict``. Lock held."""
         victim = self.fifo.popleft()
         while self.segments[victim].inflight:
             self._cond.wait()
@@ -210,11 +252,21 @@ class SegmentLog:
                                            self._forward_budget_blocks)
         block_col, blocks_col = self._index.column("block"), self._index.column("blocks")
         ns_col = self._index.column("ns_index")
+        return victim, [(self._index.key_at(int(slot)), int(ns_col[slot]),
+                         int(block_col[slot]) * BLOCK, int(blocks_col[slot]) * BLOCK)
+                        for slot in slots[picked]]
+
+    def _read_block(self, segment: int, offset: int, out: memoryview) -> int:
+        return os.preadv(self._store.fd(segment), [out], self._store.base(segment) + offset)
+
+    def _read_forward(self, victim: int, picked: list[tuple[bytes, int, int, int]]
+                      ) -> list[tuple[bytes, int, memoryview]]:
+        """Read and verify the picked records of ``victim`` (lock not held): (key, ns_index,
+        record) for each intact one. A failed read is an io_error, a record that fails its
+        checks a checksum_failure; either is dropped."""
         forward: list[tuple[bytes, int, memoryview]] = []
-        for slot in slots[picked]:
-            key = self._index.key_at(int(slot))
-            buf = memoryview(aligned_buffer(int(blocks_col[slot]) * BLOCK))
-            offset = int(block_col[slot]) * BLOCK
+        for key, ns_index, offset, size in picked:
+            buf = memoryview(aligned_buffer(size))
             try:
                 self._read_block(victim, offset, buf)
                 h = unpack_header(buf)
@@ -227,20 +279,26 @@ class SegmentLog:
                 continue
             if h.key == key and payload_checksum(
                     buf[HEADER_BLOCK:HEADER_BLOCK + h.payload_len]) == h.checksum:
-                forward.append((key, int(ns_col[slot]), buf))
-            else:  # damaged since it was written: was dropped uncounted
+                forward.append((key, ns_index, buf))
+            else:  # damaged since it was written
                 self._counters.add("checksum_failures")
-        self._index.remove_slots(slots)
-        self._counters.add("segments_evicted")
-        self._counters.add("records_evicted", int(slots.size) - len(forward))
-        self.segments[victim] = Segment()
-        self.free.append(victim)
         return forward
 
-    def _write_forward(self, forward: list[tuple[bytes, int, memoryview]]) -> None:
-        """Rewrite copied-forward records (already verified) at the head with new seqs."""
-        seg_no = self._active
-        seg = self.segments[seg_no]
+    def _evict(self, victim: int, forwarded: int) -> None:
+        """Drop every entry still in ``victim`` (copied-forward ones come back in
+        ``_index_forward``) and free it. Lock held."""
+        slots = self._index.slots_where(segment=victim)
+        self._index.remove_slots(slots)
+        self._counters.add("segments_evicted")
+        self._counters.add("records_evicted", max(0, int(slots.size) - forwarded))
+        self.segments[victim] = Segment()
+        self.free.append(victim)
+
+    def _place_forward(self, seg: Segment, forward: list[tuple[bytes, int, memoryview]]
+                       ) -> list[tuple[int, int, RecordHeader, memoryview]]:
+        """Give each copied-forward record a new seq and its offset at the new head (each
+        buffer's header rewritten): (ns_index, offset, header, record). Lock held."""
+        placed = []
         for key, ns_index, buf in forward:
             old = unpack_header(buf)
             if not seg.fits(len(buf), old.namespace_id, self._store.segment_size):
@@ -250,9 +308,45 @@ class SegmentLog:
                                self._next_seq(), old.checksum, old.flags)
             new.pack_into(buf)
             offset = seg.write_off
-            os.pwritev(self._store.fd(seg_no), [buf], self._store.base(seg_no) + offset)
             seg.place(new, offset, len(buf))
-            self._index.put(key, seg_no, offset // BLOCK, len(buf) // BLOCK, ns_index)
-            self._counters.add("copied_forward")
-        if forward and self._durable:
+            placed.append((ns_index, offset, new, buf))
+        return placed
+
+    def _write_head(self, seg_no: int, start_seq: int,
+                    placed: list[tuple[int, int, RecordHeader, memoryview]]) -> bool:
+        """Write the new segment's header, then the copied-forward records after it, synced
+        in durable mode (lock not held). Raises OSError if the header cannot be written;
+        returns False if the records could not (logged and counted: they are dropped)."""
+        header = SegmentHeader(self._store.segment_size, seg_no, start_seq).pack()
+        fd, base = self._store.fd(seg_no), self._store.base(seg_no)
+        os.pwritev(fd, [header], base)
+        if self._durable and not placed:
             self._store.sync(seg_no)
+        if not placed:
+            return True
+        try:
+            bufs = [buf for _, _, _, buf in placed]
+            for i in range(0, len(bufs), MAX_IOV):  # consecutive: one pwritev per MAX_IOV
+                pwritev_all(fd, bufs[i:i + MAX_IOV], base + placed[i][1])
+            if self._durable:
+                self._store.sync(seg_no)
+        except OSError as exc:
+            self._counters.add("io_errors")
+            log.warning("ssd: copy-forward write error %s; %d records dropped", exc,
+                        len(placed))
+            return False
+        return True
+
+    def _index_forward(self, seg_no: int, seg: Segment,
+                       placed: list[tuple[int, int, RecordHeader, memoryview]],
+                       landed: bool) -> None:
+        """Index the copied-forward records that landed; the summary leaves out the others.
+        A key indexed again meanwhile (a newer copy) keeps its newer entry. Lock held."""
+        for ns_index, offset, header, buf in placed:
+            if not landed or header.key in self._index:
+                seg.failed.add(header.seq)
+                if not landed:
+                    self._counters.add("records_evicted")
+                continue
+            self._index.put(header.key, seg_no, offset // BLOCK, len(buf) // BLOCK, ns_index)
+            self._counters.add("copied_forward")

@@ -219,3 +219,16 @@ class SegmentStore:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def check_geometry(capacity: int, segment_size: int, read_piece_bytes: int) -> None:
+    """Raises ValueError (naming the ssd.* setting) for a geometry no engine can use."""
+    if segment_size % BLOCK or segment_size < 4 * BLOCK:
+        raise ValueError(f"ssd.segment_size must be a multiple of {BLOCK} and at least "
+                         f"{4 * BLOCK}, got {segment_size}")
+    if read_piece_bytes <= 0 or read_piece_bytes % BLOCK:
+        raise ValueError(f"ssd.read_piece_bytes must be a positive multiple of {BLOCK}, "
+                         f"got {read_piece_bytes}")
+    if capacity // segment_size > 0xFFFF:
+        raise ValueError(f"ssd.capacity={capacity} is more than 65535 segments of "
+                         f"ssd.segment_size={segment_size}; raise ssd.segment_size")

@@ -1,0 +1,381 @@
+"""What a storage node does with a request once its frame is read: the NodeStore.
+
+The transport (connection.py) reads frames, enforces the limits and moves payload bytes; the
+store decides what each request means for the embedded KVPool: who a connection is (AUTH),
+which namespaces it declared (NAMESPACE, bounded per connection and node-wide by the
+registry), which chunk keys it may reach (scoped by namespace), what is stored, found,
+touched, removed, and what STATS shows to whom. It knows nothing of sockets, so it is tested
+by driving it directly (tests/net/test_node_store.py).
+
+Payloads never pass through a staging copy: a PUT reserves DRAM slots and hands their views
+to the transport to receive into (:class:`PutBatch`); a GET pins the chunks resident in DRAM
+and hands out read-only views of them to send from (:class:`GetAnswer`), the rest read from
+the lower tiers into per-request buffers.
+
+Nothing here that may block runs on the caller's event loop: lookups, existence probes,
+SSD reads, deletes, invalidations, STATS and durable commits run on ``executor``. Only
+in-memory work stays inline: declaring a namespace, TOUCH (the SSD index is skipped when its
+lock is busy, pool.touch), pinning DRAM slots, and slot reservations that do not wait (an
+eviction they cause demotes to the write-behind queue, which copies and returns: it never
+waits for the SSD). A non-durable commit publishes DRAM slots and stages copies the same way.
+
+Failure contract: a request the node answers wrongly-but-safely (unknown namespace, forbidden
+tenant, too many bytes for one answer, a bad namespace declaration) raises :class:`Refused`
+with the status to answer; ``close`` says whether the connection must end afterwards. A PUT
+whose payload size does not match its keys raises ProtocolError (the frame cannot be
+trusted). Anything else the pool raises propagates.
+
+Used from one event-loop thread (the counters may also be bumped from others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvpool import __version__
+from kvpool.config import ServerConfig
+from kvpool.counters import Counters
+from kvpool.keys import Namespace
+from kvpool.net.protocol import FEATURES, ProtocolError, Status
+from kvpool.pool import ChunkReservation, KVPool
+from kvpool.server.auth import Authenticator
+from kvpool.server.registry import NamespaceRegistry, RegistryFull
+from kvpool.server.tenants import TenantCounters
+from kvpool.tiers.dram import PinnedView
+
+
+class Refused(Exception):
+    """A request answered with an error status; ``close`` ends the connection afterwards."""
+
+    def __init__(self, status: Status, message: str, close: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.close = status, message, close
+
+
+def scoped_chunk_key(ns_id: bytes, key: bytes) -> bytes:
+    """The key a node files a client's chunk key under: scoped by namespace, so a key
+    presented under another tenant's namespace can never reach this one's bytes."""
+    return bytes(xxhash.xxh3_128_digest(ns_id + key))
+
+
+class Session:
+    """One connection as the store sees it: its identity and the namespaces it declared
+    since its last AUTH (each holding a reference in the node's registry)."""
+
+    __slots__ = ("admin", "namespaces", "tenants")
+
+    def __init__(self, tenants: frozenset[str] | None) -> None:
+        #: Tenants it may act for; None until AUTH succeeds (auth on).
+        self.tenants = tenants
+        self.admin = False  # AUTH with server.admin_token: node-wide STATS
+        self.namespaces: dict[bytes, Namespace] = {}
+
+    @property
+    def authenticated(self) -> bool:
+        return self.tenants is not None
+
+
+@dataclass(slots=True)
+class PutBatch:
+    """Room for one PUT's chunks, in key order. The transport receives chunk ``i`` into
+    ``targets[i]``, or, where that is None (already stored, or dropped for lack of room),
+    reads and discards ``ns.chunk_bytes``; then ``NodeStore.commit_put``. Call ``abort()`` in
+    a ``finally``: it gives back every slot not committed, so a half-received chunk is never
+    published (a no-op after the commit)."""
+
+    ns: Namespace
+    targets: list[memoryview | None]
+    _slots: list[ChunkReservation | bool] = field(repr=False)
+
+    def abort(self) -> None:
+        for slot in self._slots:
+            if not isinstance(slot, bool):
+                slot.abort()
+
+
+@dataclass(slots=True)
+class GetAnswer:
+    """One GET's answer: a found-flag per key and the payload of each found chunk in key
+    order (views of pinned DRAM slots or of per-request buffers). Valid until ``release()``,
+    which the transport calls in a ``finally`` once the views are sent; until then the pinned
+    slots cannot be evicted."""
+
+    flags: bytes
+    views: list[memoryview]
+    _pins: list[PinnedView | None] = field(repr=False)
+
+    def release(self) -> None:
+        _release(self._pins)
+        self._pins = []
+
+
+def _release(pins: Sequence[PinnedView | None]) -> None:
+    for pin in pins:
+        if pin is not None:
+            pin.release()
+
+
+def _unknown(ns_id: bytes) -> Refused:
+    return Refused(Status.UNKNOWN_NAMESPACE, f"namespace {ns_id.hex()} was not declared on "
+                   "this connection since its last AUTH (send NAMESPACE first)")
+
+
+class NodeStore:
+    """The requests of one node against ``pool``. ``executor`` runs what may block (see the
+    module docstring); ``counters`` are the node's (the transport counts there too, and STATS
+    shows them)."""
+
+    def __init__(self, pool: KVPool, cfg: ServerConfig, executor: Executor,
+                 node_id: str) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self.node_id = node_id
+        self.auth = Authenticator(cfg.auth, cfg.admin_token)
+        self.counters = Counters()
+        self.tenant_counts = TenantCounters(self.auth.tenants)
+        self.namespaces = NamespaceRegistry(pool, cfg.max_namespaces)
+        self.started = time.time()
+        self._executor = executor
+        self._sessions: set[Session] = set()
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _count_tenant(self, tenant: str, name: str, n: int = 1) -> None:
+        if self.auth.enabled:
+            self.tenant_counts.add(tenant, name, n)
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self) -> Session:
+        """A new connection: authenticated at once when auth is off."""
+        session = Session(None if self.auth.enabled else frozenset())
+        self._sessions.add(session)
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """The connection ended: give back its namespaces. Idempotent."""
+        self._drop_namespaces(session)
+        self._sessions.discard(session)
+
+    def _drop_namespaces(self, session: Session) -> None:
+        for ns in session.namespaces.values():
+            self.namespaces.release(ns)
+        session.namespaces.clear()
+
+    def authenticate(self, session: Session, token: bytes) -> bytes:
+        """AUTH: a new identity that starts with nothing declared (what the previous token
+        declared must not stay reachable under this one). Returns the hello to answer with.
+        Raises Refused(AUTH_FAILED, close) for an unknown token."""
+        self._drop_namespaces(session)
+        if not self.auth.enabled:
+            session.tenants = frozenset()
+            return self._hello(session, ["*"])
+        session.tenants, session.admin = None, False
+        if self.auth.is_admin(token):
+            session.tenants, session.admin = frozenset(), True
+            return self._hello(session, [])
+        tenants = self.auth.tenants_for(token)
+        if tenants is None:
+            self.counters.add("auth_failures")
+            raise Refused(Status.AUTH_FAILED, "unknown token", close=True)
+        session.tenants = tenants
+        return self._hello(session, sorted(tenants))
+
+    def _hello(self, session: Session, tenants: list[str]) -> bytes:
+        return json.dumps({"node_id": self.node_id, "tenants": tenants,
+                           "admin": session.admin}).encode()
+
+    def declare(self, session: Session, meta: bytes) -> tuple[int, bytes]:
+        """NAMESPACE: declare the canonical namespace in ``meta`` on this session. Returns
+        (the feature bits, the namespace id) to answer with. Raises Refused: BAD_REQUEST for
+        a malformed namespace or one past server.max_namespaces_per_connection, FORBIDDEN
+        for another tenant's, TOO_LARGE for chunks over max_item_bytes (or that no tier can
+        hold), BUSY when the node's registry is full of namespaces in use."""
+        try:
+            ns = Namespace.from_canonical(json.loads(meta))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise Refused(Status.BAD_REQUEST, f"bad namespace: {exc}") from None
+        if self.auth.enabled and ns.tenant not in (session.tenants or ()):
+            raise Refused(Status.FORBIDDEN, f"namespace of tenant {ns.tenant!r} is not "
+                          "allowed for this token")
+        if ns.chunk_bytes > self.cfg.max_item_bytes:
+            raise Refused(Status.TOO_LARGE, f"chunks of {ns.chunk_bytes} bytes exceed "
+                          f"max_item_bytes {self.cfg.max_item_bytes}")
+        if ns.id not in session.namespaces:
+            limit = self.cfg.max_namespaces_per_connection
+            if len(session.namespaces) >= limit:
+                raise Refused(Status.BAD_REQUEST, f"more than server.max_namespaces_per_"
+                              f"connection={limit} namespaces on one connection")
+            try:
+                self.namespaces.acquire(ns)
+            except RegistryFull as exc:
+                self.counters.add("namespaces_refused")
+                raise Refused(Status.BUSY, str(exc)) from None
+            except ValueError as exc:
+                raise Refused(Status.TOO_LARGE, str(exc)) from None
+            session.namespaces[ns.id] = ns
+            self._count_tenant(ns.tenant, "namespaces_declared")
+        return FEATURES, ns.id
+
+    def _namespace_of(self, session: Session, ns_id: bytes) -> Namespace:
+        ns = session.namespaces.get(ns_id)
+        if ns is None:
+            raise _unknown(ns_id)
+        self._count_tenant(ns.tenant, "requests")
+        return ns
+
+    def _scoped(self, session: Session, ns_id: bytes,
+                keys: Sequence[bytes]) -> tuple[Namespace, list[bytes]]:
+        ns = self._namespace_of(session, ns_id)
+        return ns, [scoped_chunk_key(ns_id, k) for k in keys]
+
+    # ------------------------------------------------------------------ writes
+    async def begin_put(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+                        payload_len: int) -> PutBatch:
+        """Reserve room for a PUT of ``keys`` carrying ``payload_len`` bytes. Raises
+        Refused(UNKNOWN_NAMESPACE) (the transport must still read the payload away) and
+        ProtocolError when the payload is not one chunk per key."""
+        ns = session.namespaces.get(ns_id)
+        if ns is None:
+            raise _unknown(ns_id)
+        if payload_len != len(keys) * ns.chunk_bytes:
+            raise ProtocolError(f"PUT payload of {payload_len} bytes is not {len(keys)} "
+                                f"chunks of {ns.chunk_bytes}")
+        scoped = [scoped_chunk_key(ns_id, k) for k in keys]
+        # Slots are taken on the loop when that cannot block (the probes of what is stored
+        # are index lookups; the SSD engine's lock is never held across IO); only a batch
+        # that would wait for pinned slots goes to a worker thread.
+        pool = self.pool
+        tried = pool.reserve_many(ns, scoped, wait=False)
+        slots: list[ChunkReservation | bool] = [s for s in tried if s is not None]
+        if len(slots) < len(tried):
+            for slot in slots:
+                if not isinstance(slot, bool):
+                    slot.abort()
+            slots = await self._off_loop(
+                lambda: [bool(s) if s is None else s for s in pool.reserve_many(ns, scoped)])
+        targets = [None if isinstance(s, bool) else s.view for s in slots]
+        return PutBatch(ns, targets, slots)
+
+    async def commit_put(self, batch: PutBatch) -> int:
+        """Publish a PUT whose targets are all filled. Returns how many chunks count as
+        stored (already-stored ones included); durable puts are written and synced first,
+        on a worker thread."""
+        received = [s for s in batch._slots if not isinstance(s, bool)]
+        stored = sum(s for s in batch._slots if isinstance(s, bool))
+        if self.pool.durable_puts:
+            # Acknowledged = on the SSD and synced: one write and sync for the batch (an
+            # fdatasync must never stall the event loop).
+            stored += await self._off_loop(self.pool.commit_many, received)
+        else:
+            stored += self.pool.commit_many(received)
+        ns = batch.ns
+        self.counters.add("put_chunks", stored)
+        self._count_tenant(ns.tenant, "requests")
+        self._count_tenant(ns.tenant, "put_chunks", stored)
+        self._count_tenant(ns.tenant, "put_bytes", stored * ns.chunk_bytes)
+        return stored
+
+    async def delete(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        """DELETE: how many of ``keys`` some tier held (removed from every tier)."""
+        ns, scoped = self._scoped(session, ns_id, keys)
+        result: int = await self._off_loop(lambda: sum(self.pool.delete(ns, k)
+                                                       for k in scoped))
+        return result
+
+    async def invalidate(self, session: Session, ns_id: bytes) -> int:
+        """INVALIDATE: drop every chunk of a declared namespace; how many were dropped."""
+        ns = self._namespace_of(session, ns_id)
+        result: int = await self._off_loop(self.pool.invalidate, ns)
+        return result
+
+    # ------------------------------------------------------------------ reads
+    async def exists_prefix(self, session: Session, ns_id: bytes,
+                            keys: Sequence[bytes]) -> int:
+        """EXISTS_PREFIX: the length of the leading run of ``keys`` stored. The SSD probe
+        takes the engine lock: on a worker thread."""
+        ns, scoped = self._scoped(session, ns_id, keys)
+        result: int = await self._off_loop(self.pool.lookup, ns, scoped)
+        return result
+
+    async def exists(self, session: Session, ns_id: bytes,
+                     keys: Sequence[bytes]) -> list[bool]:
+        """EXISTS: one flag per key, probed on a worker thread (it takes the SSD lock)."""
+        ns, scoped = self._scoped(session, ns_id, keys)
+        result: list[bool] = await self._off_loop(self.pool.contains_many, ns, scoped)
+        return result
+
+    def touch(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        """TOUCH: count ``keys`` as read; how many a tier holds. In-memory and never waits
+        (pool.touch), so done inline."""
+        ns, scoped = self._scoped(session, ns_id, keys)
+        return self.pool.touch(ns, scoped)
+
+    async def get(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+                  touch: Sequence[bytes] = ()) -> GetAnswer:
+        """GET ``keys`` (touching ``touch`` first, as TOUCH does). Raises Refused(TOO_LARGE)
+        when the answer would exceed server.max_inflight_bytes."""
+        ns, scoped = self._scoped(session, ns_id, keys)
+        if touch:
+            self.pool.touch(ns, [scoped_chunk_key(ns_id, k) for k in touch])
+        if len(keys) * ns.chunk_bytes > self.cfg.max_inflight_bytes:
+            raise Refused(Status.TOO_LARGE, f"{len(keys)} chunks of {ns.chunk_bytes} bytes "
+                          f"exceed max_inflight_bytes {self.cfg.max_inflight_bytes}; "
+                          "split the batch")
+        pins: list[PinnedView | None] = self.pool.pin_many(ns, scoped)
+        try:
+            payload: list[memoryview | None] = [p.data if p is not None else None for p in pins]
+            missing = [i for i, p in enumerate(pins) if p is None]
+            if missing:
+                bufs = [memoryview(bytearray(ns.chunk_bytes)) for _ in missing]
+                found = await self._off_loop(self.pool.get_many_into, ns,
+                                             [scoped[i] for i in missing], bufs)
+                for i, buf, hit in zip(missing, bufs, found, strict=True):
+                    payload[i] = buf if hit else None
+        except BaseException:
+            _release(pins)
+            raise
+        views = [p for p in payload if p is not None]
+        hits, misses = len(views), len(keys) - len(views)
+        self.counters.add("get_hits", hits)
+        self.counters.add("get_misses", misses)
+        self._count_tenant(ns.tenant, "get_hits", hits)
+        self._count_tenant(ns.tenant, "get_misses", misses)
+        self._count_tenant(ns.tenant, "get_bytes", hits * ns.chunk_bytes)
+        return GetAnswer(bytes(p is not None for p in payload), views, pins)
+
+    # ------------------------------------------------------------------ stats
+    def _identity(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "version": __version__,
+                "uptime_s": round(time.time() - self.started, 1)}
+
+    def _tenant_table(self, tenants: frozenset[str]) -> dict[str, dict[str, int]]:
+        connections: dict[str, int] = {}
+        for session in self._sessions:
+            for tenant in session.tenants or ():
+                connections[tenant] = connections.get(tenant, 0) + 1
+        return self.tenant_counts.snapshot(tenants, connections)
+
+    async def stats(self, session: Session, transport: dict[str, Any]) -> dict[str, Any]:
+        """STATS as ``session`` may see them. With auth on, a tenant token gets the node's
+        identity and its own tenants' counters only; the admin token (and every connection
+        when auth is off) gets the node's counters, ``transport``'s figures (connections,
+        requests in flight), the registry's, every tier's and every tenant's."""
+        if self.auth.enabled and not session.admin:
+            return {"server": self._identity(),
+                    "tenants": self._tenant_table(session.tenants or frozenset())}
+        server: dict[str, Any] = self.counters.snapshot()
+        server.update(self._identity(), **transport, **self.namespaces.stats())
+        out: dict[str, Any] = {"server": server}
+        if self.auth.enabled:
+            out["tenants"] = self._tenant_table(self.auth.tenants)
+        tiers = await self._off_loop(self.pool.stats)
+        return {**out, **tiers}

@@ -1,0 +1,247 @@
+"""The NodeStore without a socket: a real embedded KVPool (DRAM arena + SSD engine on
+tmp_path) driven the way a connection drives it, one Session per simulated connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtest import CHUNK, byte_namespace, payload_for, small_config
+
+from kvpool.keys import Namespace
+from kvpool.net.protocol import FEATURES, ProtocolError, Status
+from kvpool.pool import KVPool
+from kvpool.server.store import NodeStore, Refused, Session, scoped_chunk_key
+
+TOKENS = [{"token": "token-acme-123", "tenants": ["acme"]},
+          {"token": "token-beta-456", "tenants": ["beta"]}]
+ADMIN = "admin-token-000"
+
+
+class Store:
+    """A NodeStore over a real pool, with the executor it needs and a loop to drive it."""
+
+    def __init__(self, tmp_path: Path, **server: Any) -> None:
+        config = small_config(tmp_path, server=server)
+        self.pool = KVPool(config, remote=False)
+        self.executor = ThreadPoolExecutor(4)
+        self.store = NodeStore(self.pool, config.server, self.executor, "node-under-test")
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run(coro)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.executor.shutdown(wait=True)
+
+    def declare(self, session: Session, ns: Namespace) -> bytes:
+        features, ns_id = self.store.declare(session, json.dumps(ns.canonical()).encode())
+        assert features == FEATURES
+        return ns_id
+
+    def put(self, session: Session, ns: Namespace, keys: list[bytes]) -> tuple[int, int]:
+        """PUT ``keys`` with payload_for bytes, filling the targets as a transport would.
+        Returns (chunks stored, chunks that needed no receive)."""
+        async def go() -> tuple[int, int]:
+            batch = await self.store.begin_put(session, ns.id, keys, len(keys) * CHUNK)
+            try:
+                for key, target in zip(keys, batch.targets, strict=True):
+                    if target is not None:
+                        target[:] = payload_for(key).tobytes()
+                skipped = sum(t is None for t in batch.targets)
+                return await self.store.commit_put(batch), skipped
+            finally:
+                batch.abort()
+        result: tuple[int, int] = self.run(go())
+        return result
+
+    def get(self, session: Session, ns: Namespace, keys: list[bytes],
+            touch: list[bytes] | None = None) -> list[bytes | None]:
+        async def go() -> list[bytes | None]:
+            answer = await self.store.get(session, ns.id, keys, touch or [])
+            try:
+                views = iter(answer.views)
+                return [bytes(next(views)) if flag else None for flag in answer.flags]
+            finally:
+                answer.release()
+        result: list[bytes | None] = self.run(go())
+        return result
+
+
+@pytest.fixture
+def open_store(tmp_path: Path) -> Iterator[Store]:
+    store = Store(tmp_path)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def auth_store(tmp_path: Path) -> Iterator[Store]:
+    store = Store(tmp_path, auth=TOKENS, admin_token=ADMIN)
+    yield store
+    store.close()
+
+
+def keys_of(n: int, tag: bytes = b"k") -> list[bytes]:
+    return [tag + i.to_bytes(16 - len(tag), "big") for i in range(n)]
+
+
+def refused(fn: Any, *args: Any) -> Refused:
+    with pytest.raises(Refused) as info:
+        result = fn(*args)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+    return info.value
+
+
+def test_put_get_exists_touch_delete_invalidate_results(open_store: Store) -> None:
+    s, store = open_store, open_store.store
+    session = store.open_session()
+    assert session.authenticated  # auth is off
+    ns = byte_namespace()
+    assert s.declare(session, ns) == ns.id
+    keys = keys_of(6)
+    assert s.put(session, ns, keys[:4]) == (4, 0)
+    assert s.put(session, ns, keys[:4]) == (4, 4)  # already stored: nothing to receive
+    got = s.get(session, ns, keys[:5])
+    assert got[:4] == [payload_for(k).tobytes() for k in keys[:4]] and got[4] is None
+    assert s.run(store.exists(session, ns.id, keys)) == [True] * 4 + [False] * 2
+    assert s.run(store.exists_prefix(session, ns.id, [keys[0], keys[1], keys[5], keys[2]])) == 2
+    assert store.touch(session, ns.id, keys) == 4
+    assert s.run(store.delete(session, ns.id, [keys[0], keys[5]])) == 1
+    assert s.get(session, ns, [keys[0]]) == [None]
+    assert s.run(store.invalidate(session, ns.id)) == 3
+    assert s.run(store.exists(session, ns.id, keys)) == [False] * 6
+    stats = s.run(store.stats(session, {"connections": 1}))
+    assert stats["server"]["put_chunks"] == 8
+    assert stats["server"]["get_hits"] == 4 and stats["server"]["get_misses"] == 2
+    assert stats["server"]["connections"] == 1 and stats["server"]["namespaces"] == 1
+    assert "dram" in stats and "ssd" in stats
+    store.close_session(session)
+
+
+def test_chunks_beyond_dram_are_served_from_the_ssd(open_store: Store) -> None:
+    s, store = open_store, open_store.store
+    session = store.open_session()
+    ns = byte_namespace()
+    s.declare(session, ns)
+    keys = keys_of(40)  # 2.5 MiB through a 1 MiB arena: the first ones are demoted to SSD
+    for i in range(0, 40, 8):
+        assert s.put(session, ns, keys[i:i + 8]) == (8, 0)
+    assert s.pool.flush(10.0)
+    # In small batches: an SSD hit is promoted into DRAM, which a batch pinning the whole
+    # arena would make wait (pool.get_many_into, dram.put_wait_s).
+    for i in range(0, 40, 4):
+        want = [payload_for(k).tobytes() for k in keys[i:i + 4]]
+        assert s.get(session, ns, keys[i:i + 4]) == want
+    assert s.pool.stats()["ssd"]["hits"] >= 24
+    assert s.run(store.exists_prefix(session, ns.id, keys)) == 40
+
+
+def test_keys_are_scoped_by_namespace(open_store: Store) -> None:
+    s, store = open_store, open_store.store
+    session = store.open_session()
+    a, b = byte_namespace(model="a"), byte_namespace(model="b")
+    s.declare(session, a)
+    s.declare(session, b)
+    keys = keys_of(2)
+    s.put(session, a, keys)
+    assert s.get(session, b, keys) == [None, None]
+    assert s.run(store.exists(session, b.id, keys)) == [False, False]
+    # What the pool holds is filed under the scoped key, not the client's.
+    assert s.pool.contains_many(a, [scoped_chunk_key(a.id, k) for k in keys]) == [True, True]
+    assert s.pool.contains_many(a, keys) == [False, False]
+
+
+def test_an_aborted_put_publishes_nothing(open_store: Store) -> None:
+    s, store = open_store, open_store.store
+    session = store.open_session()
+    ns = byte_namespace()
+    s.declare(session, ns)
+    keys = keys_of(3)
+
+    async def half_received() -> None:
+        batch = await store.begin_put(session, ns.id, keys, 3 * CHUNK)
+        target = batch.targets[0]
+        assert target is not None
+        target[:] = payload_for(keys[0]).tobytes()
+        batch.abort()  # the peer went away before the rest arrived
+
+    s.run(half_received())
+    assert s.run(store.exists(session, ns.id, keys)) == [False] * 3
+    assert s.put(session, ns, keys) == (3, 0)  # the slots were given back
+
+
+def test_error_statuses(tmp_path: Path) -> None:
+    s = Store(tmp_path, max_item_bytes=CHUNK, max_inflight_bytes=4 * CHUNK,
+              max_namespaces_per_connection=2, max_namespaces=3)
+    store = s.store
+    try:
+        session = store.open_session()
+        assert refused(store.declare, session, b"{not json").status == Status.BAD_REQUEST
+        too_big = byte_namespace(chunk_bytes=2 * CHUNK)
+        assert refused(s.declare, session, too_big).status == Status.TOO_LARGE
+        ns = byte_namespace()
+        keys = keys_of(5)
+        unknown = refused(store.begin_put, session, ns.id, keys, 5 * CHUNK)
+        assert unknown.status == Status.UNKNOWN_NAMESPACE and not unknown.close
+        for call in (store.exists, store.exists_prefix, store.delete, store.get):
+            assert refused(call, session, ns.id, keys).status == Status.UNKNOWN_NAMESPACE
+        assert refused(store.touch, session, ns.id, keys).status == Status.UNKNOWN_NAMESPACE
+        s.declare(session, ns)
+        with pytest.raises(ProtocolError):
+            s.run(store.begin_put(session, ns.id, keys, 5 * CHUNK - 1))
+        assert refused(store.get, session, ns.id, keys).status == Status.TOO_LARGE
+        s.declare(session, byte_namespace(model="second"))
+        third = byte_namespace(model="third")
+        assert refused(s.declare, session, third).status == Status.BAD_REQUEST  # per conn
+        other = store.open_session()
+        s.declare(other, third)  # the registry's third and last namespace
+        full = refused(s.declare, other, byte_namespace(model="fourth"))
+        assert full.status == Status.BUSY
+        store.close_session(session)  # its two namespaces become unused: forgettable
+        s.declare(other, byte_namespace(model="fourth"))
+        stats = s.run(store.stats(other, {}))["server"]
+        assert stats["namespaces_refused"] == 1 and stats["namespaces_forgotten"] == 1
+    finally:
+        s.close()
+
+
+def test_auth_and_tenancy(auth_store: Store) -> None:
+    s, store = auth_store, auth_store.store
+    session = store.open_session()
+    assert not session.authenticated
+    bad = refused(store.authenticate, session, b"wrong-token")
+    assert bad.status == Status.AUTH_FAILED and bad.close
+    hello = json.loads(store.authenticate(session, b"token-acme-123"))
+    assert hello == {"node_id": "node-under-test", "tenants": ["acme"], "admin": False}
+    acme, beta = byte_namespace(salt="acme"), byte_namespace(salt="beta:x")
+    assert refused(s.declare, session, beta).status == Status.FORBIDDEN
+    s.declare(session, acme)
+    keys = keys_of(2)
+    s.put(session, acme, keys)
+    assert s.get(session, acme, keys) == [payload_for(k).tobytes() for k in keys]
+    # A re-AUTH starts a new identity: what the previous token declared is gone.
+    store.authenticate(session, b"token-beta-456")
+    assert refused(store.get, session, acme.id, keys).status == Status.UNKNOWN_NAMESPACE
+    s.declare(session, beta)
+    assert s.get(session, beta, keys) == [None, None]
+    # A tenant sees its own figures only; the admin sees the node and every tenant.
+    mine = s.run(store.stats(session, {"connections": 9}))
+    assert set(mine) == {"server", "tenants"} and set(mine["tenants"]) == {"beta"}
+    assert "connections" not in mine["server"]
+    admin = store.open_session()
+    assert json.loads(store.authenticate(admin, ADMIN.encode()))["admin"] is True
+    assert refused(s.declare, admin, acme).status == Status.FORBIDDEN
+    everything = s.run(store.stats(admin, {"connections": 9}))
+    assert everything["server"]["connections"] == 9 and "ssd" in everything
+    tenants = everything["tenants"]
+    assert tenants["acme"]["put_chunks"] == 2 and tenants["acme"]["get_hits"] == 2
+    assert tenants["beta"]["get_misses"] == 2 and tenants["beta"]["connections"] == 1
+    assert everything["server"]["auth_failures"] == 1
+
