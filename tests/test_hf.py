@@ -3,6 +3,7 @@ tokens of a full prefill, in every store; a broken chunk must cost a recompute, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -243,4 +244,39 @@ def test_failing_saves_are_dropped_and_counted(model: Any, tmp_path: Path) -> No
         assert pc.generate(ids, 6).tokens == expected
         pc.flush()
         assert pc.saved_chunks == 0 and pc.dropped_saves == 6
+        pc.close()
+
+
+class SlowCommits(StoreWrapper):
+    """A store whose commits wait for ``release``: the saver is behind the next request.
+    (The Event only controls when the save lands.)"""
+
+    def __init__(self, inner: KVPool) -> None:
+        super().__init__(inner)
+        self.release = threading.Event()
+
+    def commit_many(self, reservations: Sequence[Any]) -> int:
+        self.release.wait(10)
+        return self.inner.commit_many(reservations)
+
+
+@pytest.mark.parametrize("wait_s", [5.0, 0.05])
+def test_the_next_request_waits_for_a_running_save_of_its_prefix(model: Any, tmp_path: Path,
+                                                                 wait_s: float) -> None:
+    """Read-your-writes: a prompt right after the one that produced its prefix hits it even
+    though the save is still running (it waits, bounded by save_wait_s); past the bound it
+    recomputes, and its output is the model's own either way."""
+    ids = prompt(200)
+    expected = generate_all(model, None, [ids, ids])
+    with pool_at(tmp_path) as pool:
+        store = SlowCommits(pool)
+        pc = PrefixCache(model, store, CHUNK_TOKENS, save_wait_s=wait_s)
+        first = pc.generate(ids, 6)
+        timer = threading.Timer(0.5, store.release.set)
+        timer.start()
+        second = pc.generate(ids, 6)
+        assert [first.tokens, second.tokens] == expected
+        expected_cached = 6 * CHUNK_TOKENS if wait_s > 0.5 else 0
+        assert second.prefill.cached_tokens == expected_cached
+        timer.join()
         pc.close()

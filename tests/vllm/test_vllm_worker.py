@@ -3,6 +3,8 @@ from some blocks come back bit for bit into others, in both registered KV layout
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from kvpool.integrations.vllm.layout import EngineIdentity
 from kvpool.integrations.vllm.plan import ChunkCopy, ReqTransfer
 from kvpool.integrations.vllm.settings import parse_settings
 from kvpool.integrations.vllm.worker import WorkerSide
+from kvpool.pool import ChunkReservation
 
 BLOCK, HEADS, HEAD, LAYERS, NBLOCKS = 16, 2, 8, 3, 12
 IDENT = EngineIdentity("m", "main", HEADS, HEAD, BLOCK, "TEST", "0")
@@ -58,4 +61,45 @@ def test_saved_pages_load_back_into_other_blocks(tmp_path: Path, block_dim: int)
         assert w.stats.counters.loaded_tokens == 2 * BLOCK
         assert w.stats.counters.load_failed_chunks == 1
     finally:
+        w.close()
+
+
+def test_a_chunk_handed_to_the_committer_is_found_and_loaded_before_it_is_committed(
+        tmp_path: Path) -> None:
+    """Read-your-writes: the request right after the one that stored a prefix finds it even
+    while the committer is behind, and its load waits for that commit instead of missing.
+    (The commit is held back with an Event: it only controls when the committer runs.)"""
+    settings = parse_settings({"chunk_tokens": 2 * BLOCK, "config": {
+        "cache_dir": str(tmp_path), "dram": {"capacity": "8MiB", "slab_size": "1MiB"},
+        "ssd": {"enabled": False}}}, BLOCK)
+    w = WorkerSide(settings, IDENT, 0, 1, num_blocks=NBLOCKS)
+    kv = caches(0)
+    release = threading.Event()
+    try:
+        w.register(kv)
+        commit_many = w.pool.commit_many
+
+        def held_commit(reservations: Sequence[ChunkReservation]) -> int:
+            release.wait(10)
+            return commit_many(reservations)
+
+        w.pool.commit_many = held_commit  # type: ignore[method-assign]
+        keys = (b"a" * 16, b"b" * 16)
+        store = [ReqTransfer("r", (ChunkCopy((keys[0],), (1, 2)), ChunkCopy((keys[1],), (3, 4))))]
+        for name in sorted(kv):
+            w.save_layer(name, kv[name], store)
+        w.end_step()
+        assert not w.pool.contains(w.ns, keys[0])  # not committed yet...
+        assert w._lookup([*keys, b"c" * 16]) == 2  # ...but found
+        w.start_load([ReqTransfer("s", (ChunkCopy((keys[0],), (7, 8)),))])
+        threading.Timer(0.2, release.set).start()  # the committer catches up meanwhile
+        for name in sorted(kv):
+            w.wait_layer(name)
+        assert w.take_load_errors() == set()
+        for t in kv.values():
+            assert torch.equal(t[7], t[1]) and torch.equal(t[8], t[2])
+        assert w.stats.counters.lookup_unsaved_chunks == 2
+        assert w.stats.counters.load_commit_timeouts == 0
+    finally:
+        release.set()
         w.close()

@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -108,12 +109,16 @@ class PrefixCache:
     """Prefill and greedy generation with prefix reuse through a chunk store.
 
     ``store=None`` is plain recompute (the baseline), with the same code path otherwise.
+    ``save_wait_s``: how long a prefill waits for a still-running save of chunks it shares
+    before it recomputes them instead (read-your-writes).
     """
 
     def __init__(self, model: Any, store: ChunkStore | None, chunk_tokens: int = 256,
-                 tenant_salt: str = "", model_id: str | None = None) -> None:
+                 tenant_salt: str = "", model_id: str | None = None,
+                 save_wait_s: float = 2.0) -> None:
         self.model = model
         self.store = store
+        self.save_wait_s = save_wait_s
         self.ns = namespace_for(model, chunk_tokens, tenant_salt, model_id)
         if store is not None:
             store.register_namespace(self.ns)
@@ -122,7 +127,7 @@ class PrefixCache:
         self._staging: torch.Tensor | None = None
         self._restored: torch.Tensor | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hf-save")
-        self._pending: list[Future[int]] = []
+        self._pending: list[tuple[Future[int], frozenset[bytes]]] = []  # saves and their keys
         self._lock = threading.Lock()
         self.saved_chunks = 0
         self.dropped_saves = 0
@@ -249,12 +254,22 @@ class PrefixCache:
             return
         # cache tensors are replaced, never written in place, as generation goes on, so the
         # saver may read these references while the model keeps decoding
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._saver.submit(self._save, layers, list(keys), first))
+        self._pending = [(f, k) for f, k in self._pending if not f.done()]
+        self._pending.append((self._saver.submit(self._save, layers, list(keys), first),
+                              frozenset(keys[first:])))
+
+    def _wait_for_saves_of(self, keys: Sequence[bytes]) -> None:
+        """Read-your-writes: a prompt that shares chunks with a save still running waits for
+        that save (at most ``save_wait_s``; then those chunks are recomputed), so the request
+        right after the one that produced a prefix never misses it."""
+        wanted = set(keys)
+        running = [f for f, k in self._pending if not f.done() and k & wanted]
+        if running:
+            futures.wait(running, timeout=self.save_wait_s)
 
     def flush(self) -> None:
         """Wait for background saves, then for the store's own write-behind."""
-        for fut in self._pending:
+        for fut, _ in self._pending:
             fut.result()
         self._pending.clear()
         if self.store is not None:
@@ -271,6 +286,8 @@ class PrefixCache:
         keys = self.ns.chunk_keys(ids) if self.store is not None else []
         # at least one token must run through the model to produce the next-token logits
         usable = min(len(keys), (len(ids) - 1) // self.ns.chunk_tokens)
+        if usable:
+            self._wait_for_saves_of(keys[:usable])
         hit = self.store.lookup(self.ns, keys[:usable]) if self.store is not None and usable else 0
         t1 = time.perf_counter()
         cache, restored = self.restore(keys[:hit])

@@ -24,9 +24,11 @@ class ConnectorCounters:
     load_failed_chunks: int = 0  # misses or checksum failures at load time (recomputed)
     load_failed_blocks: int = 0
     stored_chunks: int = 0  # chunks the pool accepted
-    dropped_chunks: int = 0  # saves dropped: staging budget full, pool refused, failed step
+    dropped_chunks: int = 0  # saves dropped: budget full, no free slot, pool refused, failed step
     lookups: int = 0
     lookup_hit_chunks: int = 0
+    lookup_unsaved_chunks: int = 0  # of those, handed to the committer but not yet committed
+    load_commit_timeouts: int = 0  # loads that waited lookup_timeout_s for a commit
     load_wait_us: int = 0  # engine thread time waiting for reads and copying pages in
     save_gather_us: int = 0  # engine thread time gathering pages to store
 

@@ -13,14 +13,10 @@ serves the scheduler's lookups.
   the end of its request: those blocks are reported by ``take_load_errors`` and vLLM
   recomputes them, and the request's saves in that step are dropped (they would hold KV
   computed on top of a bad prefix).
-* **Save** (``save_layer``): at layer 0 a DRAM slot is reserved in the pool for every chunk
-  to store (``KVPool.reserve``, never waiting: no slot means a counted drop); right after each
-  layer's attention wrote its KV, its pages are gathered straight into those slots (the one
-  copy between the engine and the pool). ``end_step`` hands the filled reservations to one
-  background thread that commits them (``KVPool.commit_many``: published in DRAM, offered to
-  the pool's write-behind, or written and synced for durable puts), so inference never waits
-  for a slow tier. Reservations not yet committed are bounded by ``pool.write_behind_bytes``;
-  beyond it a save is dropped and counted.
+* **Save** (``save_layer``, ``end_step``): see ``saves.py``: pages are gathered layer by layer
+  straight into reserved DRAM slots and committed by one background thread; a chunk handed
+  over is visible to lookups at once and a load of it waits for its commit (bounded by
+  ``lookup_timeout_s``).
 
 Failure contract: loads and saves never raise into the engine for pool faults (a failed load
 is reported blocks, a failed save a counted drop). Misuse raises: ValueError from
@@ -30,8 +26,6 @@ is reported blocks, a failed save a counted drop). Misuse raises: ValueError fro
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -47,21 +41,15 @@ from kvpool.integrations.vllm.layout import (
 )
 from kvpool.integrations.vllm.lookup import LookupServer
 from kvpool.integrations.vllm.plan import ReqTransfer
+from kvpool.integrations.vllm.saves import Saves
 from kvpool.integrations.vllm.settings import ConnectorSettings
 from kvpool.integrations.vllm.stats import StatsWriter
 from kvpool.keys import Namespace
-from kvpool.pool import ChunkReservation, KVPool
+from kvpool.pool import KVPool
 from kvpool.ssd.directio import AlignedBuffers
 from kvpool.tiers.dram import PinnedView
 
 log = logging.getLogger("kvpool.integrations.vllm")
-
-
-class _Marker:
-    """A commit-queue entry that only signals that everything queued before it was committed."""
-
-    def __init__(self, done: threading.Event) -> None:
-        self.done = done
 
 
 class _Fetched:
@@ -72,17 +60,6 @@ class _Fetched:
         self.copies: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self.pins: list[PinnedView | None] = []
         self.bufs: list[np.ndarray] = []
-
-
-class _PendingSave:
-    """One chunk being gathered into its reserved pool slot: ``pages`` holds its engine block
-    ids, ``layers`` how many layers are in."""
-
-    __slots__ = ("layers", "pages", "req_id", "slot")
-
-    def __init__(self, req_id: str, pages: torch.Tensor, slot: ChunkReservation) -> None:
-        self.req_id, self.pages, self.slot = req_id, pages, slot
-        self.layers = 0
 
 
 class WorkerSide:
@@ -110,16 +87,7 @@ class WorkerSide:
         self._copied: list[bool] = []
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
-        # saves: reserved slots being filled, then committed by one thread
-        self._save_budget = self.pool.config.pool.write_behind_bytes
-        self._save_bytes = 0
-        self._save_lock = threading.Lock()
-        self._pending: list[_PendingSave] = []
-        self._commits: queue.SimpleQueue[list[_PendingSave] | _Marker | None] = \
-            queue.SimpleQueue()
-        self._committer = threading.Thread(target=self._commit_loop, name="kvpool-save",
-                                           daemon=True)
-        self._committer.start()
+        self._saves: Saves | None = None  # once registered
         self._closed = False
 
     # ---------------------------------------------------------------- set-up
@@ -134,6 +102,7 @@ class WorkerSide:
         self._geom, self.ns = geom, ns
         self._layer_pos = {name: i for i, name in enumerate(geom.layer_names)}
         self._bufs = AlignedBuffers(ns.chunk_bytes)
+        self._saves = Saves(self.pool, ns, self.tp_rank, self.stats, self._pages)
         self.server = LookupServer(self._lookup)
         self.stats.set_info("namespace", ns.canonical())
         self.stats.write(force=True)
@@ -142,12 +111,18 @@ class WorkerSide:
         return ns
 
     def _lookup(self, keys: list[bytes]) -> int:
-        assert self.ns is not None
-        hits = self.pool.lookup(self.ns, keys)
-        self.stats.add(lookups=1, lookup_hit_chunks=hits)
+        assert self.ns is not None and self._saves is not None
+        stored = hits = self.pool.lookup(self.ns, keys)
         # The load follows within a step or two: start lifting SSD / remote hits into DRAM
         # now, so the load pins them in place instead of reading them then.
         self.pool.prefetch(self.ns, keys[:hits])
+        while hits < len(keys):  # read-your-writes: chunks handed to the committer count
+            more = self._saves.extend_run(keys, hits)
+            if not more:
+                break
+            hits += more
+            hits += self.pool.lookup(self.ns, keys[hits:]) if hits < len(keys) else 0
+        self.stats.add(lookups=1, lookup_hit_chunks=hits, lookup_unsaved_chunks=hits - stored)
         return hits
 
     def _pages(self, buf: np.ndarray | memoryview) -> torch.Tensor:
@@ -178,6 +153,9 @@ class WorkerSide:
         fetched = _Fetched()
         chunks = [c for r in loads for c in r.chunks]
         keys = [c.keys[self.tp_rank] for c in chunks]
+        if self._saves is not None and not self._saves.wait_committed(
+                keys, self.settings.lookup_timeout_s):
+            self.stats.add(load_commit_timeouts=1)  # those chunks miss: vLLM recomputes them
         sources: list[torch.Tensor | None] = [None] * len(chunks)
         try:
             fetched.pins = self.pool.pin_many(self.ns, keys)
@@ -273,106 +251,27 @@ class WorkerSide:
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor,
                    stores: Sequence[ReqTransfer]) -> None:
         pos = self._layer_pos.get(layer_name)
-        if pos is None or not stores or self._bufs is None:
+        if pos is None or not stores or self._saves is None:
             return
         start = time.perf_counter()
         if pos == 0:
-            self._begin_saves(stores)
-        kv = self._kv[layer_name]  # block-first view of ``kv_layer`` (same memory)
-        for p in self._pending:
-            if p.layers == pos:
-                dst = self._pages(p.slot.view)[pos]  # this layer's slice of the slot
-                if kv.device == dst.device:
-                    torch.index_select(kv, 0, p.pages, out=dst)
-                else:  # accelerator: gather on the device, then one device-to-host copy
-                    dst.copy_(kv.index_select(0, p.pages.to(kv.device)))
-                p.layers += 1
+            self._fetched()  # a failed load must be known before its request's saves
+            self._saves.begin(stores, self._failed_reqs)
+        self._saves.gather(pos, self._kv[layer_name])  # block-first view of ``kv_layer``
         self.stats.add(save_gather_us=int((time.perf_counter() - start) * 1e6))
-
-    def _begin_saves(self, stores: Sequence[ReqTransfer]) -> None:
-        assert self.ns is not None
-        ns = self.ns
-        self._fetched()  # a failed load must be known before its request's saves
-        self._drop_pending()
-        dropped = 0
-        for req in stores:
-            if req.req_id in self._failed_reqs:
-                dropped += len(req.chunks)
-                continue
-            with self._save_lock:
-                room = min(len(req.chunks),
-                           (self._save_budget - self._save_bytes) // ns.chunk_bytes)
-                self._save_bytes += room * ns.chunk_bytes
-            # Never waits: no free slot now (every one pinned) is a dropped save.
-            slots = self.pool.reserve_many(ns, [c.keys[self.tp_rank] for c in req.chunks[:room]],
-                                           wait=False)
-            for chunk, slot in zip(req.chunks, slots, strict=False):
-                if isinstance(slot, ChunkReservation):
-                    ids = torch.tensor(chunk.block_ids, dtype=torch.long)
-                    self._pending.append(_PendingSave(req.req_id, ids, slot))
-                    continue
-                self._unbook(1)
-                dropped += slot is not True  # True: already stored (a prompt's last chunk)
-            dropped += len(req.chunks) - room
-        if dropped:
-            self.stats.add(dropped_chunks=dropped)
-
-    def _drop_pending(self) -> None:
-        for p in self._pending:
-            p.slot.abort()
-        self._unbook(len(self._pending))
-        if self._pending:
-            self.stats.add(dropped_chunks=len(self._pending))
-        self._pending = []
-
-    def _unbook(self, chunks: int) -> None:
-        assert self.ns is not None
-        with self._save_lock:
-            self._save_bytes -= chunks * self.ns.chunk_bytes
 
     def end_step(self) -> None:
         """After the forward: hand every fully gathered chunk to the committer; drop the rest
         (a step that skipped layers). Never waits for the pool."""
         self._finish_load()
-        complete = len(self._layer_pos)
-        done = [p for p in self._pending
-                if p.layers == complete and p.req_id not in self._failed_reqs]
-        for p in self._pending:
-            if p not in done:
-                p.slot.abort()
-        if len(done) < len(self._pending):
-            self._unbook(len(self._pending) - len(done))
-            self.stats.add(dropped_chunks=len(self._pending) - len(done))
-        if done:
-            self._commits.put(done)
-        self._pending = []
+        if self._saves is not None:
+            self._saves.end_step(len(self._layer_pos), self._failed_reqs)
         self._failed_reqs.clear()
         self.stats.write()
 
-    def _commit_loop(self) -> None:
-        while True:
-            batch = self._commits.get()
-            if batch is None:
-                return
-            if isinstance(batch, _Marker):
-                batch.done.set()
-                continue
-            try:
-                stored = self.pool.commit_many([p.slot for p in batch])
-            except Exception:
-                log.exception("kvpool save failed; dropped")
-                stored = 0
-            finally:
-                for p in batch:
-                    p.slot.abort()  # a no-op once committed
-                self._unbook(len(batch))
-            self.stats.add(stored_chunks=stored, dropped_chunks=len(batch) - stored)
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued saves reached the pool and the pool's write-behind drained."""
-        done = threading.Event()
-        self._commits.put(_Marker(done))
-        if not done.wait(timeout):
+        if self._saves is not None and not self._saves.flush(timeout):
             return False
         return self.pool.flush(timeout)
 
@@ -382,9 +281,8 @@ class WorkerSide:
             return
         self._closed = True
         self._finish_load()
-        self._drop_pending()
-        self._commits.put(None)
-        self._committer.join()
+        if self._saves is not None:
+            self._saves.close()
         self._loader.shutdown(wait=True)
         if self.server is not None:
             self.server.close()
