@@ -1,12 +1,14 @@
 """`kvpool bench vllm` labels its engine with what each run reported (run_engine's ``engine``),
 not a constant. The engine runs are replaced at ``_run`` (a real one needs the vLLM venv and
-minutes; tests/vllm check that run_engine reports ``engine``)."""
+minutes; tests/vllm check that run_engine reports ``engine``). The ratios are computed and
+printed from a fabricated result."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvpool.bench import vllm as bench
@@ -38,3 +40,38 @@ def test_engine_label_names_compiled_runs() -> None:
     info = {"vllm_version": "0.32.0", "device": "cuda", "dtype": "bfloat16",
             "enforce_eager": False}
     assert bench.engine_label(info) == "vllm 0.32.0 on cuda (bfloat16, compiled)"
+
+
+def _mode(rows: dict[int, tuple[float, list[float]]]) -> dict[str, Any]:
+    """A mode as run_vllm_bench builds it: per length (first request, timed samples)."""
+    return {"ttft": {str(n): {"first_request_s": first, "samples_s": samples,
+                              "median_s": float(np.median(samples)),
+                              "p99_s": float(np.percentile(samples, 99))}
+                     for n, (first, samples) in rows.items()}}
+
+
+def test_ratios_pool_the_hits_and_compare_the_first_requests() -> None:
+    modes = {"recompute": _mode({1024: (0.5, [0.4, 0.4]), 6144: (2.0, [2.0, 2.0])}),
+             "kvpool": _mode({1024: (0.6, [0.1, 0.1, 0.1]), 6144: (0.2, [0.2, 0.2, 1.0])}),
+             "example": _mode({1024: (0.9, [0.3, 0.3]), 6144: (1.0, [0.5, 0.5])})}
+    r = bench.ratios(modes, (1024, 6144))
+    assert r["ttft_hit_vs_recompute"] == pytest.approx(0.1)  # medians at 6144
+    assert r["ttft_hit_vs_example_connector"] == pytest.approx(0.4)
+    # hits of both lengths pooled, each over its length's median (0.1 and 0.2): the tail is
+    # the 1.0 s hit, 5x its length's median, not the gap between the lengths
+    pooled = [1.0, 1.0, 1.0, 1.0, 1.0, 5.0]
+    assert r["ttft_hit_p99_vs_median"] == pytest.approx(float(np.percentile(pooled, 99)))
+    # the engine's first request is the first one on the shortest (first) document
+    assert r["first_request_vs_no_connector"] == pytest.approx(0.6 / 0.5)
+    assert set(r) == set(bench.TARGETS)
+
+
+def test_report_prints_every_ratio_with_its_target(capsys: pytest.CaptureFixture[str]) -> None:
+    modes = {m: _mode({1024: (0.5, [0.1, 0.2])}) for m in bench.MODES}
+    report = {"model": "m", "engine": "e", "lengths": [1024], "repeats": 2, "modes": modes,
+              "ratios": bench.ratios(modes, (1024,)), "targets": dict(bench.TARGETS)}
+    bench._print(report)
+    out = capsys.readouterr().out
+    for name, target in bench.TARGETS.items():
+        assert f"{name}: " in out and f"(target {target}" in out
+    assert "pooled" in out and "first request of a fresh engine" in out

@@ -11,7 +11,11 @@ import pytest
 pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 pytest.importorskip("matplotlib", reason="the hf extra (matplotlib) is not installed")
 
+from rich.console import Console
+
 from kvpool.cli import main
+from kvpool.demo import report
+from kvpool.demo.runner import RequestResult
 
 
 def test_quick_demo_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,6 +30,7 @@ def test_quick_demo_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for key in ("ttft_dram_vs_recompute", "ttft_ssd_vs_recompute", "ttft_vs_file_per_chunk"):
         assert data["ratios"][key] > 0
     assert data["ratios"]["longest_prefix_tokens"] > 0
+    assert data["ratios"]["miss_penalty"] > 0 and data["ratios"]["miss_penalty_cold_requests"] > 0
     kv = data["modes"]["kvpool"]
     assert kv["hit_rate"] > 0.3 and kv["chunk_hits_by_tier"]["dram"] > 0
     assert data["modes"]["kvpool-ssd"]["chunk_hits_by_tier"]["ssd"] > 0
@@ -52,3 +57,32 @@ def test_trace_replay_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.Monkey
     cached = [r["cached_tokens"] for r in kv.values()]
     # request 2 shares blocks 1-2 with request 1; request 3 repeats request 1 entirely
     assert cached[0] == 0 and cached[1] == 2 * data["chunk_tokens"] and cached[2] > cached[1]
+
+
+def _result(mode: str, name: str, cached: int, ttft: float) -> RequestResult:
+    return RequestResult(mode=mode, workload="doc", name=name, prompt_tokens=1024,
+                         cached_tokens=cached, ttft_s=ttft, total_s=ttft, tokens=[1])
+
+
+def test_miss_penalty_is_the_median_over_the_cold_requests() -> None:
+    # requests a, c, e restore nothing in the kvpool mode (cold); b, d restore their prefix
+    rec = [("a", 1.0), ("b", 1.0), ("c", 2.0), ("d", 2.0), ("e", 4.0)]
+    kv = [("a", 0, 1.1), ("b", 512, 0.1), ("c", 0, 3.0), ("d", 512, 0.2), ("e", 0, 4.0)]
+    results = ([_result("recompute", n, 0, t) for n, t in rec]
+               + [_result("kvpool", n, c, t) for n, c, t in kv])
+    assert report.miss_penalty(results) == (pytest.approx(1.1), 3)  # median of 1.1, 1.5, 1.0
+    ratios = report.headline_ratios(results)
+    assert ratios["miss_penalty"] == pytest.approx(1.1)
+    assert ratios["miss_penalty_cold_requests"] == 3
+    console = Console(record=True, width=130)
+    report.render(report.summarize(results), ratios, console)
+    text = console.export_text()
+    assert "miss_penalty" in text and f"target {report.MISS_PENALTY_TARGET}" in text
+    assert "3 cold requests" in text
+
+
+def test_no_miss_penalty_without_a_cold_request_or_the_recompute_mode() -> None:
+    warm = [_result("recompute", "a", 0, 1.0), _result("kvpool", "a", 512, 0.1)]
+    assert report.miss_penalty(warm) is None
+    assert "miss_penalty" not in report.headline_ratios(warm)
+    assert report.miss_penalty([_result("kvpool", "a", 0, 1.0)]) is None

@@ -50,10 +50,27 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
     return summary
 
 
+MISS_PENALTY_TARGET = "<= 1.05"
+
+
+def miss_penalty(results: Sequence[RequestResult]) -> tuple[float, int] | None:
+    """(median over the cold requests of kvpool TTFT / recompute TTFT of the same request,
+    number of cold requests). Cold: nothing restored in the kvpool mode (``cached_tokens`` 0),
+    so the ratio is what storing the KV costs the request that produced it (> 1 = slower than
+    no cache). None when either mode is missing or no request was cold."""
+    modes = by_mode(results)
+    kv, rec = modes.get("kvpool"), modes.get("recompute")
+    if not kv or not rec:
+        return None
+    cold = [k.ttft_s / r.ttft_s for k, r in zip(kv, rec, strict=False) if k.cached_tokens == 0]
+    return (float(np.median(cold)), len(cold)) if cold else None
+
+
 def headline_ratios(results: Sequence[RequestResult]) -> dict[str, Any]:
     """Ratios at the request with the longest restored prefix in the kvpool mode (the same
     request index in every mode): recompute TTFT / mode TTFT, and file-per-chunk TTFT / kvpool
-    TTFT (> 1 = kvpool faster)."""
+    TTFT (> 1 = kvpool faster); and ``miss_penalty`` over the cold requests (see
+    ``miss_penalty``; < 1 = kvpool faster), with ``miss_penalty_cold_requests``."""
     modes = by_mode(results)
     kv = modes.get("kvpool")
     if not kv or "recompute" not in modes:
@@ -77,6 +94,9 @@ def headline_ratios(results: Sequence[RequestResult]) -> dict[str, Any]:
         out["ttft_vs_file_per_chunk"] = fpc / dram
     if fpc and ssd:
         out["ttft_ssd_vs_file_per_chunk"] = fpc / ssd
+    penalty = miss_penalty(results)
+    if penalty is not None:
+        out["miss_penalty"], out["miss_penalty_cold_requests"] = penalty
     return out
 
 
@@ -103,6 +123,12 @@ def render(summary: dict[str, dict[str, Any]], ratios: dict[str, Any], console: 
                     "ttft_ssd_vs_file_per_chunk"):
             if key in ratios:
                 console.print(f"  {key:30s} {ratios[key]:6.1f}x")
+        if "miss_penalty" in ratios:
+            console.print(f"On the {ratios['miss_penalty_cold_requests']} cold requests "
+                          "(nothing restored in the kvpool mode), kvpool / recompute TTFT, "
+                          "median:")
+            console.print(f"  {'miss_penalty':30s} {ratios['miss_penalty']:6.2f}x "
+                          f"(target {MISS_PENALTY_TARGET})")
 
 
 def chart(results: Sequence[RequestResult], path: Path) -> Path:
