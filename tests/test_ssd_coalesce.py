@@ -81,13 +81,19 @@ def test_a_prefix_batch_lands_back_to_back_in_one_segment(tmp_path: Path, size: 
         eng.close()
 
 
+# a run of N records is read in pieces of about read_piece_bytes (each record its own piece,
+# the default 512 KiB, or one preadv for the whole run) while the pieces before are checked
+PIECES = [BLOCK, 512 << 10, 8 * MiB]
+
+
+@pytest.mark.parametrize("piece", PIECES)
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
 @pytest.mark.parametrize(("size", "out_kind"),
                          [(CHUNK, "aligned"), (CHUNK, "unaligned"), (5000, "aligned"),
                           (5000, "unaligned")])
 def test_get_many_into_reads_a_prefix_in_one_read(tmp_path: Path, direct_io: str, size: int,
-                                                  out_kind: str) -> None:
-    eng = engine_at(tmp_path, direct_io=direct_io)
+                                                  out_kind: str, piece: int) -> None:
+    eng = engine_at(tmp_path, direct_io=direct_io, read_piece_bytes=piece)
     try:
         assert eng.direct_io == (direct_io == "auto")
         keys = [k(i) for i in range(N)]
@@ -157,10 +163,12 @@ def test_runs_follow_the_order_asked_and_stop_at_gaps(tmp_path: Path) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("piece", PIECES)
 @pytest.mark.parametrize("offset", [HEADER_BLOCK + 1234, 20],
                          ids=["payload", "header"])
-def test_a_damaged_record_in_a_run_costs_no_neighbour(tmp_path: Path, offset: int) -> None:
-    eng = engine_at(tmp_path)
+def test_a_damaged_record_in_a_run_costs_no_neighbour(tmp_path: Path, offset: int,
+                                                      piece: int) -> None:
+    eng = engine_at(tmp_path, read_piece_bytes=piece)
     try:
         keys = [k(i) for i in range(N)]
         save_prefix(eng, keys)
@@ -185,8 +193,9 @@ def test_a_damaged_record_in_a_run_costs_no_neighbour(tmp_path: Path, offset: in
         eng.close()
 
 
-def test_a_failed_run_read_is_retried_record_by_record(tmp_path: Path) -> None:
-    eng = engine_at(tmp_path)
+@pytest.mark.parametrize("piece", PIECES)
+def test_a_failed_run_read_is_retried_record_by_record(tmp_path: Path, piece: int) -> None:
+    eng = engine_at(tmp_path, read_piece_bytes=piece)
     try:
         keys = [k(i) for i in range(N)]
         save_prefix(eng, keys)

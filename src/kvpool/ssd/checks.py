@@ -60,7 +60,7 @@ class ReadChecks:
             return [self.fetch(keys[0], locs[0], outs[0], False, namespace_id)]
         reads: list[RecordRead | CorruptRecordError | None]
         try:
-            reads = read_run(self._store, self._buffers, locs, outs)
+            reads = read_run(self._store, self._buffers, self._pieces, locs, outs, self._piece)
             self._counters.add("coalesced_reads")
             self._counters.add("coalesced_records", len(keys))
         except OSError as exc:  # maybe one bad sector: read each alone, each counts its own

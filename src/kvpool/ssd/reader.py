@@ -102,14 +102,18 @@ def plan_runs(order: Sequence[int], locs: Sequence[Location],
     return runs
 
 
-def read_run(store: SegmentStore, buffers: ThreadBuffers, locs: Sequence[Location],
-             outs: Sequence[memoryview]) -> list[RecordRead | CorruptRecordError | None]:
+def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
+             locs: Sequence[Location], outs: Sequence[memoryview], piece: int
+             ) -> list[RecordRead | CorruptRecordError | None]:
     """Read the back-to-back records at ``locs`` (as ``plan_runs`` groups them; each ``out``
-    exactly its record's payload size) with one preadv: header blocks into this thread's run
-    scratch, each payload straight into its ``out`` where O_DIRECT allows (else into the
-    scratch; a buffered read's padding goes there too). Per record: its RecordRead, the
+    exactly its record's payload size): header blocks into this thread's run scratch, each
+    payload straight into its ``out`` where O_DIRECT allows (else into the scratch; a
+    buffered read's padding goes there too). A run of ``2 * piece`` bytes or more is read as
+    consecutive preadvs of whole records of about ``piece`` bytes each, the later ones on
+    ``pieces``, while this thread parses and hashes each piece as it lands (as read_record
+    does for one large record); a smaller run is one preadv. Per record: its RecordRead, the
     CorruptRecordError its header raised, or None when a short read did not reach its end
-    (the caller reads it alone). Raises OSError when the read fails (the caller then reads
+    (the caller reads it alone). Raises OSError when a read fails (the caller then reads
     each record alone, so a bad sector costs only the records on it); nothing lands in any
     ``out`` after it returns or raises."""
     direct = store.direct
@@ -118,10 +122,17 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, locs: Sequence[Locatio
                                  else round_up(out.nbytes))
                         for out, ok in zip(outs, into_out, strict=True))
     scratch = buffers.run_of(scratch_bytes)
-    iov: list[memoryview] = []
+    total = sum(loc.blocks for loc in locs) * BLOCK
+    split = piece if total >= 2 * piece else total
+    fd, base = store.fd(locs[0].segment), store.base(locs[0].segment) + locs[0].block * BLOCK
+    # Lay the run out piece by piece: (file offset, iovecs, first record, end record).
+    plan: list[tuple[int, list[memoryview], int, int]] = []
+    places: list[tuple[int, memoryview]] = []  # per record: (header offset in scratch, payload)
     pos = 0  # next free byte of the scratch
+    offset = 0  # of the current piece's start, from the run's start
+    iov: list[memoryview] = []
     merge_from = -1  # the scratch offset where the last iovec (when it is scratch) starts
-    places: list[tuple[int, memoryview]] = []  # (header offset in scratch, payload view)
+    piece_bytes, piece_first = 0, 0
 
     def take(nbytes: int) -> memoryview:
         nonlocal pos, merge_from
@@ -134,7 +145,7 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, locs: Sequence[Locatio
         pos += nbytes
         return view
 
-    for out, ok in zip(outs, into_out, strict=True):
+    for i, (loc, out, ok) in enumerate(zip(locs, outs, into_out, strict=True)):
         header_at = pos
         take(BLOCK)
         padded = round_up(out.nbytes)
@@ -147,21 +158,35 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, locs: Sequence[Locatio
             places.append((header_at, out))
         else:
             places.append((header_at, take(padded)[:out.nbytes]))
-    first = locs[0]
-    got = os.preadv(store.fd(first.segment), iov,
-                    store.base(first.segment) + first.block * BLOCK)
+        piece_bytes += loc.blocks * BLOCK
+        if piece_bytes >= split or i == len(locs) - 1:
+            plan.append((offset, iov, piece_first, i + 1))
+            offset += piece_bytes
+            iov, merge_from, piece_bytes, piece_first = [], -1, 0, i + 1
+    futures = [pieces.submit(os.preadv, fd, v, base + o) for o, v, _a, _b in plan[1:]]
     reads: list[RecordRead | CorruptRecordError | None] = []
-    start = 0
-    for loc, (header_at, payload) in zip(locs, places, strict=True):
-        size = loc.blocks * BLOCK
-        if start + size > got:
-            reads.append(None)
-        else:
-            try:
-                header = unpack_header(scratch, header_at)
-            except CorruptRecordError as exc:
-                reads.append(exc)
-            else:
-                reads.append(RecordRead(header, size, payload_checksum(payload), payload))
-        start += size
+    try:
+        got = os.preadv(fd, plan[0][1], base)
+        for k, (_o, _v, first, end) in enumerate(plan):
+            if k:
+                got = futures[k - 1].result()
+            start = 0
+            for j in range(first, end):
+                size = locs[j].blocks * BLOCK
+                reads.append(_checked(scratch, *places[j], size) if start + size <= got
+                             else None)
+                start += size
+    finally:
+        for future in futures:  # never leave a piece landing in an `out` after we return
+            future.exception()
     return reads
+
+
+def _checked(scratch: memoryview, header_at: int, payload: memoryview, size: int
+             ) -> RecordRead | CorruptRecordError:
+    """One record of a run as read: its header parsed (or why not) and its payload hashed."""
+    try:
+        header = unpack_header(scratch, header_at)
+    except CorruptRecordError as exc:
+        return exc
+    return RecordRead(header, size, payload_checksum(payload), payload)
