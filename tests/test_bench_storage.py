@@ -20,11 +20,13 @@ TINY = storage.Plan(
     sizes=(16 * KiB, 256 * KiB), repeats=2, dram_pass_bytes=1 * MiB, ssd_pass_bytes=1 * MiB,
     min_chunks=4, max_chunks=32, small_size=16 * KiB, small_chunks=120, durable_chunks=12,
     headline_size=256 * KiB, segment_size=4 * MiB, dram_slab=4 * MiB, batch=4,
+    prefix_pass_bytes=512 * KiB,
 )
 
 REQUIRED_RATIOS = (
     "dram_get_vs_memcpy", "dram_put_vs_memcpy", "ssd_read_vs_raw", "ssd_write_vs_raw",
     "small_read_vs_file_per_chunk", "small_write_vs_file_per_chunk",
+    "prefix_read_vs_file_per_chunk", "prefix_read_vs_sequential",
 )
 
 
@@ -51,6 +53,15 @@ def test_tiny_run_reports_every_case(tmp_path: Path) -> None:
                 assert f"ssd/{op}/{size}/{t}t" in cases
         assert f"ssd/put_many/{size}/1t" in cases
         assert f"ssd/get_many_into cold/{size}/4t" in cases
+    for n in TINY.prefix_lengths:  # one op = one prefix of n chunks
+        for case in (f"read {n} cold", f"read {n} cold vs sequential"):
+            row = cases[f"prefix/{case}/{TINY.small_size}/1t"]
+            assert row["prefix_chunks"] == n
+            assert row["kvpool"]["bytes_per_op"] == n * TINY.small_size
+    assert data["ratio_basis"]["prefix_read_vs_sequential"].startswith("prefix/read ")
+    # every prefix read was one coalesced read (each batch fits one 4 MiB segment or two)
+    assert data["info"]["prefix_coalesced_reads"] >= TINY.repeats * sum(
+        max(2, TINY.prefix_pass_bytes // (n * TINY.small_size)) for n in TINY.prefix_lengths)
     for c in data["cases"]:
         for side in ("kvpool", "reference"):
             fig = c[side]
@@ -58,7 +69,7 @@ def test_tiny_run_reports_every_case(tmp_path: Path) -> None:
                 assert _positive(fig[key]), (c["id"], side, key)
             assert fig["p99_s"] >= fig["median_s"]
             assert fig["passes"] == TINY.repeats
-            assert fig["bytes_per_op"] == c["chunk_bytes"]
+            assert fig["bytes_per_op"] == c["chunk_bytes"] * c.get("prefix_chunks", 1)
         assert _positive(c["ratio"])
         assert c["reference_name"]
     # the scratch directory is gone

@@ -109,8 +109,9 @@ class SsdConfig(_Section):
     admission: Literal["always", "second_use"] = Field("always", description="Which DRAM victims are written to SSD: all, or only chunks used at least twice.")
     second_use_window: int = Field(65536, ge=1, description="Keys remembered by the second_use admission policy.")
     read_pipeline_min_bytes: Size = Field(1 << 20, description="A single chunk read (not a batch) at least this large is read in pieces, so its checksum overlaps the IO; batched reads overlap one another instead and are never split.")
-    read_piece_bytes: Size = Field(512 << 10, description=f"Piece size of a split read (a positive multiple of {BLOCK_BYTES}, for O_DIRECT).")
-    read_pipeline_threads: int = Field(2, ge=1, le=64, description="Threads reading the pieces of split reads.")
+    read_piece_bytes: Size = Field(512 << 10, description=f"Piece size of a split read (a positive multiple of {BLOCK_BYTES}, for O_DIRECT); a coalesced run (ssd.coalesce_max_bytes) of at least twice this size is read in pieces of whole records of about this size, each checked as it lands.")
+    read_pipeline_threads: int = Field(2, ge=1, le=64, description="Threads reading the pieces of split reads and coalesced runs.")
+    coalesce_max_bytes: Size = Field(8 << 20, ge=0, description="A get_many_into reads keys whose records lie back to back in one segment, in the order asked (a prefix saved by one put_many), with one preadv per run of at most this many bytes (headers included); every record is still checked alone. 0: one read per record.")
     tail_verify_bytes: Size = Field(64 << 20, description="On open, the records in this many bytes at the end of the newest segment have their payload re-read and checked, and a trailing run of bad ones (a torn write) is cut; larger opens slower. A bad record left in the log (0: none checked) is a counted miss when read, never served.")
 
     @field_validator("read_piece_bytes")

@@ -14,6 +14,9 @@ with the same number of threads:
   4-thread raw reads, and ``put_many`` against one raw ``pwritev`` per batch on one thread.
 * Small chunks: ``SsdEngine`` vs :class:`~kvpool.peers.file_per_chunk.FilePerChunkStore` on
   the same 64 KiB chunks (50,000 in the full run), writes then cold reads.
+* Prefixes: one ``get_many_into`` of 8, 16, 32 or 64 consecutive 64 KiB chunks saved by one
+  ``put_many``, cold, vs the file-per-chunk store and one sequential O_DIRECT ``preadv`` of
+  the same bytes (:mod:`kvpool.bench.storage_prefix`).
 
 Fairness rules: data is generated once (numpy random) and both sides write the very same
 buffers; each write pass goes to fresh keys / fresh preallocated space on both sides (after one
@@ -45,6 +48,7 @@ from rich.console import Console
 from kvpool.bench.stats import BenchFailure, Comparison, human_bytes, render_table
 from kvpool.bench.storage_common import Log, MiB, Plan, Run, Source
 from kvpool.bench.storage_dram import bench_dram
+from kvpool.bench.storage_prefix import PREFIX_RATIOS, bench_prefix
 from kvpool.bench.storage_small import bench_small
 from kvpool.bench.storage_ssd import bench_ssd
 from kvpool.record import BLOCK, round_up
@@ -112,6 +116,7 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         for size in plan.sizes:
             bench_ssd(run, size)
         bench_small(run)
+        bench_prefix(run)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
@@ -136,6 +141,13 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         if row is not None:
             ratios[name] = row.ratio
             ratio_basis[name] = _case_id(row)
+    for name, reference in PREFIX_RATIOS.items():  # the worst prefix length stands for all
+        prefix_rows = [r for r in run.rows if r.group == "prefix"
+                       and r.reference_name == reference]
+        if prefix_rows:
+            worst = min(prefix_rows, key=lambda r: r.ratio)
+            ratios[name] = worst.ratio
+            ratio_basis[name] = _case_id(worst)
     data = {
         "suite": "storage",
         "quick": plan.quick,
@@ -183,6 +195,10 @@ def _print_report(res: StorageResult, console: Console) -> None:
         "ssd": "SSD engine vs raw O_DIRECT os.pwritev/os.preadv on one preallocated file",
         "small": (f"SSD engine vs file-per-chunk store: {plan['small_chunks']:,} chunks of "
                   f"{human_bytes(plan['small_size'])}"),
+        "prefix": (f"SSD prefix reads, cold: one get_many_into of N consecutive "
+                   f"{human_bytes(plan['small_size'])} chunks saved by one put_many, vs "
+                   f"file-per-chunk and one sequential O_DIRECT preadv of the same bytes "
+                   f"(1 thread; p50 / p99 per prefix)"),
     }
     for group, title in titles.items():
         group_rows = [r for r in rows if r.group == group]

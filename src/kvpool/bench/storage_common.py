@@ -49,6 +49,8 @@ class Plan:
     small_size: int = 64 * KiB
     small_chunks: int = 50_000
     durable_chunks: int = 2_000
+    prefix_lengths: tuple[int, ...] = (8, 16, 32, 64)
+    prefix_pass_bytes: int = 256 * MiB
     headline_size: int = 2 * MiB
     segment_size: int = 256 * MiB
     dram_slab: int = 64 * MiB
@@ -62,7 +64,8 @@ class Plan:
     @classmethod
     def quick_plan(cls) -> Plan:
         return cls(dram_pass_bytes=64 * MiB, ssd_pass_bytes=64 * MiB, min_chunks=8,
-                   max_chunks=512, small_chunks=4_000, durable_chunks=300, quick=True)
+                   max_chunks=512, small_chunks=4_000, durable_chunks=300,
+                   prefix_pass_bytes=64 * MiB, quick=True)
 
     def chunks(self, size: int, pass_bytes: int) -> int:
         return max(self.min_chunks, min(self.max_chunks, pass_bytes // size))
@@ -76,6 +79,8 @@ class Plan:
                 raise ValueError(f"chunk size {s} is not a positive multiple of {BLOCK}")
         if self.headline_size not in self.sizes:
             raise ValueError("headline_size must be one of sizes")
+        if any(n < 1 for n in self.prefix_lengths):
+            raise ValueError("prefix_lengths must be positive")
         if self.small_chunks < self.repeats * len(self.threads):
             raise ValueError("small_chunks must be >= repeats * len(threads)")
         if max(self.sizes) > self.dram_slab or max(self.sizes) + 2 * HEADER_BLOCK > \

@@ -41,7 +41,7 @@ def _preallocated(path: Path, nbytes: int) -> None:
         os.close(fd)
 
 
-class _RawFile:
+class RawFile:
     """The raw reference: one preallocated file, chunk ``j`` of pass ``p`` at
     ``(p * n + j) * size``, written and read with O_DIRECT."""
 
@@ -70,7 +70,7 @@ def _ssd_write_case(run: Run, size: int, n: int, ns: Namespace, order: str,
     keys = [fresh_keys(n) for _ in range(passes)]
     views = [[run.src.chunk(size, p * n + i) for i in range(n)] for p in range(passes)]
     kv, ref = Timing(size), Timing(size)
-    raw = _RawFile(run.scratch / "raw-w.bin", passes * n * size)
+    raw = RawFile(run.scratch / "raw-w.bin", passes * n * size)
     try:
         with open_engine(plan, run.scratch / "ssd-w", size, passes * n) as eng:
             def kv_pass(p: int) -> PassResult:
@@ -102,7 +102,7 @@ def _ssd_put_many_case(run: Run, size: int, n: int, ns: Namespace) -> None:
     groups = [[[(key, ns, run.src.chunk(size, p * n + j * b + i))
                 for i, key in enumerate(fresh_keys(b))] for j in batches] for p in range(passes)]
     kv, ref = Timing(size, items_per_op=b), Timing(size, items_per_op=b)
-    raw = _RawFile(run.scratch / "raw-w.bin", passes * nb * b * size)
+    raw = RawFile(run.scratch / "raw-w.bin", passes * nb * b * size)
     try:
         with open_engine(plan, run.scratch / "ssd-w", size, passes * nb * b) as eng:
             def kv_pass(p: int) -> PassResult:
@@ -130,7 +130,7 @@ def _bench_ssd_reads(run: Run, size: int, n: int, ns: Namespace) -> None:
     views = [run.src.chunk(size, 7 * n + i) for i in range(n)]
     b = min(plan.batch, n)
     outs = [aligned_view(size) for _ in range(max(max_threads, b))]
-    raw = _RawFile(run.scratch / "raw-r.bin", n * size)
+    raw = RawFile(run.scratch / "raw-r.bin", n * size)
     ssd_dir = run.scratch / "ssd-r"
     try:
         with open_engine(plan, ssd_dir, size, n) as eng:

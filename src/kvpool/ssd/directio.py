@@ -47,11 +47,17 @@ class ThreadBuffers(threading.local):
         self.header = memoryview(aligned_buffer(BLOCK))
         self.staging = memoryview(aligned_buffer(BLOCK))
         self.write = memoryview(aligned_buffer(BLOCK))
+        self.run = memoryview(aligned_buffer(BLOCK))  # a coalesced read's headers (reader.py)
 
     def staging_of(self, nbytes: int) -> memoryview:
         if len(self.staging) < nbytes:
             self.staging = memoryview(aligned_buffer(nbytes))
         return self.staging[:nbytes]
+
+    def run_of(self, nbytes: int) -> memoryview:
+        if len(self.run) < nbytes:
+            self.run = memoryview(aligned_buffer(nbytes))
+        return self.run[:nbytes]
 
     def write_of(self, nbytes: int) -> memoryview:
         if len(self.write) < nbytes:

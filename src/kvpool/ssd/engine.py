@@ -6,9 +6,10 @@ sealed segment's summary, or a walk of its self-describing records where it has 
 replayed in sequence order (tombstones replayed, a torn tail discarded). When the log is
 full the oldest segment is freed whole; the segment policy may copy its recently read records
 forward first. Segment states, the log head and eviction
-live in log.py, laying records out into pwritev calls in writer.py, reading one back in
-reader.py, the scan on open in recovery.py; this module holds the index, the public API and
-the checks that make a read a hit or a miss.
+live in log.py, laying records out into pwritev calls in writer.py, reading records back in
+reader.py (one, or a run of back-to-back ones in one preadv), the checks that make a read a
+hit or a miss in checks.py, the scan on open in recovery.py; this module holds the index and
+the public API.
 
 Failure contract: a read never returns bytes that fail the header or payload checksum, the key
 check or the length check; such reads are counted misses. IO errors on reads are counted
@@ -18,34 +19,33 @@ only after fdatasync; in ``cache`` mode a crash may lose recent records but neve
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from kvpool.buffers import byte_view
 from kvpool.config import Config, SsdConfig
 from kvpool.counters import Counters
-from kvpool.errors import ChunkSizeError, CorruptRecordError, PoolClosedError
+from kvpool.errors import PoolClosedError
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import make_segment_policy
 from kvpool.record import (
     BLOCK,
     FLAG_NS_TOMBSTONE,
     FLAG_TOMBSTONE,
-    HEADER_BLOCK,
     RecordHeader,
     payload_checksum,
     record_size,
 )
+from kvpool.ssd.checks import ReadChecks
 from kvpool.ssd.directio import DirectMode, ThreadBuffers
 from kvpool.ssd.index import CompactIndex, Location, NamespaceIds
 from kvpool.ssd.log import SegmentLog
-from kvpool.ssd.reader import read_record
+from kvpool.ssd.reader import plan_runs
 from kvpool.ssd.recovery import scan_media
 from kvpool.ssd.segments import SegmentStore, check_geometry
 from kvpool.ssd.writer import Pending, write_batch
@@ -76,7 +76,8 @@ class SsdEngine:
                  read_pipeline_min_bytes: int = _DEFAULTS.read_pipeline_min_bytes,
                  read_piece_bytes: int = _DEFAULTS.read_piece_bytes,
                  read_pipeline_threads: int = _DEFAULTS.read_pipeline_threads,
-                 tail_verify_bytes: int = _DEFAULTS.tail_verify_bytes) -> None:
+                 tail_verify_bytes: int = _DEFAULTS.tail_verify_bytes,
+                 coalesce_max_bytes: int = _DEFAULTS.coalesce_max_bytes) -> None:
         check_geometry(capacity, segment_size, read_piece_bytes)
         if durability not in ("cache", "durable"):
             raise ValueError(f"ssd.durability must be 'cache' or 'durable', got {durability!r}")
@@ -98,12 +99,17 @@ class SsdEngine:
         # reads already overlap one another on the IO pool and are not split).
         self._pipeline_min, self._piece = read_pipeline_min_bytes, read_piece_bytes
         self._tail_verify = tail_verify_bytes
+        self._coalesce_max = coalesce_max_bytes  # a batch's back-to-back records: one read
         self._pieces = ThreadPoolExecutor(read_pipeline_threads,
                                           thread_name_prefix="kvpool-ssd-piece")
         self._counters = Counters(  # bumped on IO threads too
             "puts", "put_bytes", "gets", "hits", "misses", "checksum_failures", "stale_reads",
             "io_errors", "segments_evicted", "records_evicted", "copied_forward",
-            "torn_discarded", "deletes", "namespace_mismatch")
+            "torn_discarded", "deletes", "namespace_mismatch", "coalesced_reads",
+            "coalesced_records")
+        self._checks = ReadChecks(self._store, self._tls, self._pieces, self._counters,
+                                  self._lock, self._index, self._ns, self._pipeline_min,
+                                  self._piece)
         try:
             # The log shares the engine lock (through _cond), the index and the counters.
             self._log = SegmentLog(self._store, self._index, self._cond, policy,
@@ -125,7 +131,8 @@ class SsdEngine:
                    read_pipeline_min_bytes=s.read_pipeline_min_bytes,
                    read_piece_bytes=s.read_piece_bytes,
                    read_pipeline_threads=s.read_pipeline_threads,
-                   tail_verify_bytes=s.tail_verify_bytes)
+                   tail_verify_bytes=s.tail_verify_bytes,
+                   coalesce_max_bytes=s.coalesce_max_bytes)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -296,10 +303,6 @@ class SsdEngine:
             ns_index_of = self._index.ns_index_of
             return [want >= 0 and ns_index_of(k) == want for k in keys]
 
-    def _locate(self, key: bytes) -> Location | None:
-        with self._lock:
-            return self._index.get(key, mark_hot=True)
-
     def get_into(self, key: bytes, out: Any, *, namespace_id: bytes | None = None) -> bool:
         """Read a chunk's payload into ``out`` (exactly the payload size). Returns False on a
         miss, including a record that fails verification (counted, dropped). On a miss the
@@ -309,75 +312,42 @@ class SsdEngine:
         ``out`` has the wrong size, PoolClosedError after close."""
         self._check_open()
         view = byte_view(out, writable=True)
-        return self._read(key, self._locate(key), view, pipelined=True,
-                          namespace_id=namespace_id)
+        with self._lock:
+            loc = self._index.get(key, mark_hot=True)
+        return (self._checks.admit(key, loc, view, namespace_id) and loc is not None
+                and self._checks.fetch(key, loc, view, True, namespace_id))
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                       namespace_id: bytes | None = None) -> list[bool]:
-        """Parallel reads on the IO thread pool; same contract as get_into per key."""
+        """Reads on the IO thread pool; same contract as get_into per key (a wrong-sized
+        ``out`` raises before any read). Keys whose records lie back to back in one segment,
+        in the order given (a prefix saved by one put_many), are read as one run: one preadv
+        of up to ``ssd.coalesce_max_bytes`` (reader.plan_runs). Every record of a run passes
+        the checks alone: a bad one is a counted miss that costs no neighbour, and a run whose
+        read fails is read again record by record."""
         self._check_open()
         if len(keys) != len(outs):
             raise ValueError("keys and outs differ in length")
         views = [byte_view(o, writable=True) for o in outs]
-        locs = [self._locate(k) for k in keys]
-        read = functools.partial(self._read, namespace_id=namespace_id)
-        if len(keys) <= 1:
-            return [read(k, loc, v) for k, loc, v in zip(keys, locs, views, strict=True)]
-        return list(self._io.map(read, keys, locs, views))
-
-    def _read(self, key: bytes, loc: Location | None, out: memoryview,
-              pipelined: bool = False, namespace_id: bytes | None = None) -> bool:
-        self._counters.add("gets")
-        if loc is None:
-            self._counters.add("misses")
-            return False
-        # The index knows each record's namespace: a foreign one costs no IO (and is not a
-        # ChunkSizeError when the other namespace's chunks differ in size).
-        if namespace_id is not None and self._ns.id_of(loc.ns_index) != namespace_id:
-            return self._wrong_namespace()
-        nbytes = out.nbytes
-        if record_size(nbytes) != loc.blocks * BLOCK:
-            raise ChunkSizeError(f"output buffer of {nbytes} bytes does not match the stored "
-                                 f"record of {loc.blocks * BLOCK} bytes")
-        try:
-            read = read_record(self._store, self._tls, self._pieces, loc, out,
-                               self._pipeline_min if pipelined else None, self._piece)
-        except OSError as exc:
-            self._counters.add("io_errors")
-            log.warning("ssd: read error %s; served as a miss", exc)
-            return self._miss()
-        except CorruptRecordError as exc:
-            return self._corrupt(key, loc, str(exc))
-        h, got = read.header, read.got
-        if h.key != key:  # the segment was recycled under us: the record is simply gone
-            self._counters.add("stale_reads")
-            return self._miss()
-        if namespace_id is not None and h.namespace_id != namespace_id:
-            return self._wrong_namespace()  # re-put under another namespace since _locate
-        if got < HEADER_BLOCK + nbytes or h.payload_len != nbytes or h.is_tombstone:
-            return self._corrupt(key, loc, "length mismatch")
-        if read.digest != h.checksum:
-            return self._corrupt(key, loc, "payload checksum mismatch")
-        if read.payload is not out:
-            out[:] = read.payload[:nbytes]
-        self._counters.add("hits")
-        return True
-
-    def _miss(self) -> bool:
-        self._counters.add("misses")
-        return False
-
-    def _wrong_namespace(self) -> bool:
-        self._counters.add("namespace_mismatch")
-        return self._miss()
-
-    def _corrupt(self, key: bytes, loc: Location, why: str) -> bool:
-        self._counters.add("checksum_failures")
-        log.warning("ssd: corrupt record %s (%s); dropped and served as a miss", key.hex(), why)
         with self._lock:
-            if self._index.get(key) == loc:
-                self._index.remove(key)
-        return self._miss()
+            locs = [self._index.get(k, mark_hot=True) for k in keys]
+        wanted = [i for i, (k, loc, v) in enumerate(zip(keys, locs, views, strict=True))
+                  if self._checks.admit(k, loc, v, namespace_id)]
+        hits = [False] * len(keys)
+
+        def read(run: list[int]) -> None:
+            got = self._checks.fetch_run([keys[i] for i in run], [found[i] for i in run],
+                                         [views[i] for i in run], namespace_id)
+            for i, ok in zip(run, got, strict=True):
+                hits[i] = ok
+
+        found = cast(list[Location], locs)  # every wanted one is located (admit)
+        runs = plan_runs(wanted, found, self._coalesce_max)
+        if len(runs) == 1:
+            read(runs[0])
+        else:
+            list(self._io.map(read, runs))
+        return hits
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:

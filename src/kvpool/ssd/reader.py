@@ -1,19 +1,35 @@
-"""Reading one record of the SSD log into a caller's buffer: the header and the payload in
-one preadv, a large payload in pieces whose checksum overlaps the IO. The checks that make a
-read a hit or a miss (key, namespace, length, checksum) stay in the engine's read path."""
+"""Reading records of the SSD log into callers' buffers: one record with its header and
+payload in one preadv (a large payload in pieces whose checksum overlaps the IO), or a run of
+records that lie back to back in one segment (a prefix saved in one put_many) with one preadv
+for the whole run. The checks that make a read a hit or a miss (key, namespace, length,
+checksum) stay in the engine's read path and run on every record of a run alone."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import NamedTuple
 
 import xxhash
 
-from kvpool.record import BLOCK, HEADER_BLOCK, RecordHeader, round_up, unpack_header
+from kvpool.errors import CorruptRecordError
+from kvpool.record import (
+    BLOCK,
+    HEADER_BLOCK,
+    RecordHeader,
+    payload_checksum,
+    round_up,
+    unpack_header,
+)
 from kvpool.ssd.directio import ThreadBuffers, is_direct_capable
 from kvpool.ssd.index import Location
 from kvpool.ssd.segments import SegmentStore
+from kvpool.ssd.writer import MAX_IOV
+
+#: Records in one coalesced read: each takes at most three iovecs (header, payload, padding)
+#: and one preadv takes at most MAX_IOV (the kernel's IOV_MAX is 1024).
+MAX_RUN_RECORDS = MAX_IOV // 3
 
 
 class RecordRead(NamedTuple):
@@ -56,3 +72,121 @@ def read_record(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
         for future in futures:  # never leave a piece landing in `out` after we return
             future.exception()
     return RecordRead(header, got, hasher.intdigest(), payload)
+
+
+def plan_runs(order: Sequence[int], locs: Sequence[Location],
+              max_bytes: int) -> list[list[int]]:
+    """Group ``order`` (indices into ``locs``) into runs, in the order given:
+    a record joins the run before it when it starts where that run's last record ends in the
+    same segment, the run stays within ``max_bytes`` (``ssd.coalesce_max_bytes``; 0: no
+    coalescing) and within MAX_RUN_RECORDS. A record larger than the cap is a run alone."""
+    runs: list[list[int]] = []
+    run: list[int] = []
+    run_bytes = 0
+    prev: Location | None = None
+    for i in order:
+        loc = locs[i]
+        size = loc.blocks * BLOCK
+        if (prev is not None and loc.segment == prev.segment
+                and loc.block == prev.block + prev.blocks and run_bytes + size <= max_bytes
+                and len(run) < MAX_RUN_RECORDS):
+            run.append(i)
+            run_bytes += size
+        else:
+            if run:
+                runs.append(run)
+            run, run_bytes = [i], size
+        prev = loc
+    if run:
+        runs.append(run)
+    return runs
+
+
+def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
+             locs: Sequence[Location], outs: Sequence[memoryview], piece: int
+             ) -> list[RecordRead | CorruptRecordError | None]:
+    """Read the back-to-back records at ``locs`` (as ``plan_runs`` groups them; each ``out``
+    exactly its record's payload size): header blocks into this thread's run scratch, each
+    payload straight into its ``out`` where O_DIRECT allows (else into the scratch; a
+    buffered read's padding goes there too). A run of ``2 * piece`` bytes or more is read as
+    consecutive preadvs of whole records of about ``piece`` bytes each, the later ones on
+    ``pieces``, while this thread parses and hashes each piece as it lands (as read_record
+    does for one large record); a smaller run is one preadv. Per record: its RecordRead, the
+    CorruptRecordError its header raised, or None when a short read did not reach its end
+    (the caller reads it alone). Raises OSError when a read fails (the caller then reads
+    each record alone, so a bad sector costs only the records on it); nothing lands in any
+    ``out`` after it returns or raises."""
+    direct = store.direct
+    into_out = [not direct or is_direct_capable(out) for out in outs]
+    scratch_bytes = sum(BLOCK + (round_up(out.nbytes) - out.nbytes if ok
+                                 else round_up(out.nbytes))
+                        for out, ok in zip(outs, into_out, strict=True))
+    scratch = buffers.run_of(scratch_bytes)
+    total = sum(loc.blocks for loc in locs) * BLOCK
+    split = piece if total >= 2 * piece else total
+    fd, base = store.fd(locs[0].segment), store.base(locs[0].segment) + locs[0].block * BLOCK
+    # Lay the run out piece by piece: (file offset, iovecs, first record, end record).
+    plan: list[tuple[int, list[memoryview], int, int]] = []
+    places: list[tuple[int, memoryview]] = []  # per record: (header offset in scratch, payload)
+    pos = 0  # next free byte of the scratch
+    offset = 0  # of the current piece's start, from the run's start
+    iov: list[memoryview] = []
+    merge_from = -1  # the scratch offset where the last iovec (when it is scratch) starts
+    piece_bytes, piece_first = 0, 0
+
+    def take(nbytes: int) -> memoryview:
+        nonlocal pos, merge_from
+        view = scratch[pos:pos + nbytes]
+        if merge_from >= 0:  # extend the previous scratch iovec: fewer, larger iovecs
+            iov[-1] = scratch[merge_from:pos + nbytes]
+        else:
+            merge_from = pos
+            iov.append(view)
+        pos += nbytes
+        return view
+
+    for i, (loc, out, ok) in enumerate(zip(locs, outs, into_out, strict=True)):
+        header_at = pos
+        take(BLOCK)
+        padded = round_up(out.nbytes)
+        if ok:
+            if out.nbytes:
+                iov.append(out)
+                merge_from = -1
+            if padded > out.nbytes:
+                take(padded - out.nbytes)
+            places.append((header_at, out))
+        else:
+            places.append((header_at, take(padded)[:out.nbytes]))
+        piece_bytes += loc.blocks * BLOCK
+        if piece_bytes >= split or i == len(locs) - 1:
+            plan.append((offset, iov, piece_first, i + 1))
+            offset += piece_bytes
+            iov, merge_from, piece_bytes, piece_first = [], -1, 0, i + 1
+    futures = [pieces.submit(os.preadv, fd, v, base + o) for o, v, _a, _b in plan[1:]]
+    reads: list[RecordRead | CorruptRecordError | None] = []
+    try:
+        got = os.preadv(fd, plan[0][1], base)
+        for k, (_o, _v, first, end) in enumerate(plan):
+            if k:
+                got = futures[k - 1].result()
+            start = 0
+            for j in range(first, end):
+                size = locs[j].blocks * BLOCK
+                reads.append(_checked(scratch, *places[j], size) if start + size <= got
+                             else None)
+                start += size
+    finally:
+        for future in futures:  # never leave a piece landing in an `out` after we return
+            future.exception()
+    return reads
+
+
+def _checked(scratch: memoryview, header_at: int, payload: memoryview, size: int
+             ) -> RecordRead | CorruptRecordError:
+    """One record of a run as read: its header parsed (or why not) and its payload hashed."""
+    try:
+        header = unpack_header(scratch, header_at)
+    except CorruptRecordError as exc:
+        return exc
+    return RecordRead(header, size, payload_checksum(payload), payload)
