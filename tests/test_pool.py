@@ -1,4 +1,7 @@
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -278,3 +281,51 @@ def test_prefetch_max_pending_from_the_config_skips_rather_than_queues(tmp_path:
         for pin in pins:
             pin.release()
         assert first.result(10) >= 1
+
+
+class _HeldReads:
+    """Wraps a lower tier of a pool's mover: after a move's read it waits for ``go`` (this
+    only controls when the background move resumes; the bytes come from the real tier)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.read_done, self.go = threading.Event(), threading.Event()
+
+    def get_many_into(self, ns: Namespace, keys: Any, outs: Any) -> list[bool]:
+        got = self.inner.get_many_into(ns, keys, outs)
+        if any(got):  # this tier served the move
+            self.read_done.set()
+            self.go.wait(10)
+        return list(got)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("removal", ["delete", "invalidate"])
+def test_a_removal_during_a_promotion_does_not_bring_the_chunk_back(tmp_path: Path,
+                                                                     removal: str) -> None:
+    ns = byte_namespace()
+    with KVPool(small_config(tmp_path, dram={"eviction": "lru"})) as pool:
+        pool.register_namespace(ns)
+        keys = [k(i) for i in range(20)]  # DRAM holds 16: the first 4 go to SSD
+        pool.put_many(ns, keys, [payload_for(x) for x in keys])
+        assert pool.flush(10)
+        mover = pool._mover
+        assert mover is not None
+        held = [_HeldReads(t) for t in mover._lower]
+        mover._lower = held  # type: ignore[assignment]
+        assert pool.get_into(ns, keys[0], np.zeros(CHUNK, np.uint8))  # queues its promotion
+        deadline = time.monotonic() + 10
+        while not any(h.read_done.is_set() for h in held) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert any(h.read_done.is_set() for h in held)  # the move has read the chunk...
+        if removal == "delete":
+            assert pool.delete(ns, keys[0])  # ...and the chunk is deleted before it publishes
+        else:
+            assert pool.invalidate(ns) > 0
+        for h in held:
+            h.go.set()
+        assert pool.flush(10)
+        assert pool.pin_many(ns, [keys[0]]) == [None]
+        assert not pool.get_into(ns, keys[0], np.zeros(CHUNK, np.uint8))

@@ -9,9 +9,10 @@ misses, as in reads: a job never raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvpool.counters import Counters
@@ -40,6 +41,8 @@ class Mover:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        self._epoch = 0  # bumped by every removal: see removing()
+        self._publish = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -85,6 +88,7 @@ class Mover:
     def _move(self, ns: Namespace, keys: list[bytes], add: Callable[[str, int], None]) -> int:
         slots: list[SlotReservation] = []
         wanted: list[bytes] = []
+        epoch = self._epoch  # a delete or invalidation from here on voids this move
         try:
             for key in keys:
                 slot = self._front.reserve(key, ns, ns.chunk_bytes, on_lower=True)
@@ -93,13 +97,26 @@ class Mover:
                     wanted.append(key)
             served = read_tiers(self._lower, ns, wanted, [s.view for s in slots], add)
             moved = 0
-            for slot, tier in zip(slots, served, strict=True):
-                if tier >= 0:
-                    moved += slot.commit()
+            with self._publish:  # no removal runs between the check and the publish
+                if self._epoch == epoch:
+                    for slot, tier in zip(slots, served, strict=True):
+                        if tier >= 0:
+                            moved += slot.commit()
             return moved
         finally:
             for slot in slots:
                 slot.abort()  # the misses (a no-op for the committed ones)
+
+    @contextlib.contextmanager
+    def removing(self) -> Iterator[None]:
+        """Wrap a removal (delete, invalidate): no move publishes while it runs, and a move
+        that read before it ended does not publish at all, so a removed chunk never comes
+        back through a move that was already reading it."""
+        with self._publish:
+            try:
+                yield
+            finally:
+                self._epoch += 1
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no job is queued or running; False on timeout."""

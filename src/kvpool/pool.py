@@ -20,6 +20,7 @@ sequence of keys, a namespace or config of the wrong type), ValueError (a malfor
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -324,8 +325,9 @@ class KVPool:
         self._registered(ns)
         check_key(key)
         removed = False
-        for tier in self._tiers:  # staging first: a chunk being written lands before the
-            removed |= tier.delete(key, ns)  # SSD's tombstone
+        with self._removing():  # a move in flight must not bring the chunk back
+            for tier in self._tiers:  # staging first: a chunk being written lands before the
+                removed |= tier.delete(key, ns)  # SSD's tombstone
         return removed
 
     def invalidate(self, ns: Namespace | bytes) -> int:
@@ -335,7 +337,11 @@ class KVPool:
         self._check_open()
         ns_id = ns.id if isinstance(ns, Namespace) else bytes(ns)
         known = ns if isinstance(ns, Namespace) else self._namespaces.get(ns_id)
-        return sum(tier.invalidate(ns_id, known) for tier in self._tiers)
+        with self._removing():
+            return sum(tier.invalidate(ns_id, known) for tier in self._tiers)
+
+    def _removing(self) -> contextlib.AbstractContextManager[None]:
+        return self._mover.removing() if self._mover is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ admin
     def flush(self, timeout: float | None = None) -> bool:
