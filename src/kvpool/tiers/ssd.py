@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.counters import Counters
 from kvpool.keys import Namespace
 from kvpool.ssd.engine import SsdEngine
 from kvpool.tiers.base import Item, local_lookup
@@ -24,7 +25,7 @@ class SsdTier:
 
     def __init__(self, engine: SsdEngine) -> None:
         self.engine = engine
-        self.write_errors = 0
+        self._counters = Counters("write_errors")  # put_many runs on several threads
 
     def register_namespace(self, ns: Namespace) -> None:
         if ns.chunk_bytes > self.engine.max_payload:
@@ -52,7 +53,7 @@ class SsdTier:
                 engine.put_many(todo)
             except OSError as exc:
                 log.warning("ssd write of %d chunks failed: %s", len(todo), exc)
-                self.write_errors += 1
+                self._counters.add("write_errors")
         return [engine.contains(key, ns.id) for key, ns, _ in items]
 
     def delete(self, key: bytes, ns: Namespace) -> bool:
@@ -68,7 +69,7 @@ class SsdTier:
         return True  # writes are synchronous
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "write_errors": self.write_errors}
+        return {**self.engine.stats(), **self._counters.snapshot()}
 
     def close(self) -> None:
         self.engine.close()

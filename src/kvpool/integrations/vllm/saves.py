@@ -111,13 +111,17 @@ class Saves:
     def end_step(self, layers: int, failed_reqs: set[str]) -> None:
         """Hand every chunk gathered for all ``layers`` to the committer (visible to lookups
         from now on); drop the rest. Never waits for the pool."""
-        done = [p for p in self._pending if p.layers == layers and p.req_id not in failed_reqs]
+        done: list[_PendingSave] = []
+        dropped = 0
         for p in self._pending:
-            if p not in done:
+            if p.layers == layers and p.req_id not in failed_reqs:
+                done.append(p)
+            else:
                 p.slot.abort()
-        if len(done) < len(self._pending):
-            self._unbook(len(self._pending) - len(done))
-            self.stats.add(dropped_chunks=len(self._pending) - len(done))
+                dropped += 1
+        if dropped:
+            self._unbook(dropped)
+            self.stats.add(dropped_chunks=dropped)
         self._pending = []
         if done:
             with self._lock:
