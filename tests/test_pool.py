@@ -134,7 +134,8 @@ def test_ssd_only_and_dram_only_pools(tmp_path: Path) -> None:
 
 def test_second_use_admission_skips_one_hit_chunks(tmp_path: Path) -> None:
     ns = byte_namespace()
-    cfg = small_config(tmp_path, ssd={"admission": "second_use"}, dram={"eviction": "lru"})
+    cfg = small_config(tmp_path, ssd={"admission": "second_use"}, dram={"eviction": "lru"},
+                       pool={"ssd_write": "evict"})  # admission decides demotions only
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         read_twice = [k(i) for i in range(4)]
@@ -152,7 +153,9 @@ def test_second_use_admission_skips_one_hit_chunks(tmp_path: Path) -> None:
 
 def test_pin_many_gives_zero_copy_views_of_dram_chunks(tmp_path: Path) -> None:
     ns = byte_namespace()
-    cfg = small_config(tmp_path, dram={"eviction": "lru", "put_wait_s": 0.01})
+    # evict: a put no DRAM slot takes is not stored anywhere (through would stage it to SSD)
+    cfg = small_config(tmp_path, dram={"eviction": "lru", "put_wait_s": 0.01},
+                       pool={"ssd_write": "evict"})
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         keys = [k(i) for i in range(20)]  # DRAM holds 16: the first 4 were demoted

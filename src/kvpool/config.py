@@ -147,7 +147,8 @@ class SsdConfig(_Section):
 class PoolConfig(_Section):
     """The embedded pool that composes the tiers."""
 
-    ssd_write: Literal["evict", "through"] = Field("evict", description="evict: DRAM victims are demoted to SSD; through: every put is also written to SSD (survives restarts): through the write-behind queue in cache mode (a crash may lose what is still queued), synchronously with ssd.durability: durable.")
+    ssd_write: Literal["evict", "through"] = Field("through", description="through: every put is also written to SSD, so a restart keeps it: through the write-behind queue in cache mode (a kill -9 may lose what is still queued, typically milliseconds of saves), synchronously with ssd.durability: durable. evict: only DRAM victims (as ssd.admission allows) are demoted to SSD, and close writes what only DRAM holds (pool.close_drain_s); a kill loses every DRAM-only chunk.")
+    close_drain_s: float = Field(10.0, ge=0, description="With ssd_write: evict, how long close may spend writing the chunks only DRAM holds to the SSD (oldest first); what is left is lost, with a warning. 0: write nothing.")
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
     write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")

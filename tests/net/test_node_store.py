@@ -27,7 +27,9 @@ class Store:
     """A NodeStore over a real pool, with the executor it needs and a loop to drive it."""
 
     def __init__(self, tmp_path: Path, **server: Any) -> None:
-        config = small_config(tmp_path, server=server)
+        # evict: the counts asserted below (invalidate's copies) are DRAM's alone, not racing
+        # the write-behind to SSD
+        config = small_config(tmp_path, server=server, pool={"ssd_write": "evict"})
         self.pool = KVPool(config, remote=False)
         self.executor = ThreadPoolExecutor(4)
         self.store = NodeStore(self.pool, config.server, self.executor, "node-under-test")

@@ -14,6 +14,8 @@ paused storage node fills the cluster's queue, never the SSD's.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,8 +26,11 @@ from kvpool.ssd.engine import SsdEngine
 from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.remote import RemoteTier
+from kvpool.tiers.slots import PinnedView
 from kvpool.tiers.ssd import SsdTier
 from kvpool.tiers.staging import WriteBehind
+
+log = logging.getLogger(__name__)
 
 
 class Demoter:
@@ -54,14 +59,57 @@ class TierStack:
     through: list[Tier] = field(default_factory=list)
     #: For durable puts: the tier whose write decides a put's answer.
     ack: Tier | None = None
+    #: With ``pool.ssd_write: evict``: the SSD that ``close`` writes DRAM-only chunks to.
+    drain_to: SsdTier | None = None
+    #: How long ``close`` may spend on that (``pool.close_drain_s``).
+    drain_s: float = 0.0
+    #: Chunks per write of the close drain.
+    drain_batch: int = 16
 
     def lower(self) -> list[Tier]:
         return [t for t in self.tiers if t is not self.front]
 
+    def drain_front(self) -> tuple[int, int]:
+        """Write the chunks only DRAM holds to ``drain_to``, in put order, for at most
+        ``drain_s`` seconds. Returns (written, left behind). A failed write is logged by the
+        SSD tier and counted as left behind; nothing is raised."""
+        front, ssd = self.front, self.drain_to
+        if front is None or ssd is None or self.drain_s <= 0:
+            return 0, 0
+        todo = front.held_only_here()
+        deadline = time.monotonic() + self.drain_s
+        written = 0
+        for start in range(0, len(todo), self.drain_batch):
+            if time.monotonic() >= deadline:
+                break
+            views: list[PinnedView] = []
+            items = []
+            for key, ns in todo[start:start + self.drain_batch]:
+                view = front.view(key, ns.id, count_miss=False)
+                if view is not None:  # deleted or evicted (and demoted) meanwhile
+                    views.append(view)
+                    items.append((key, ns, view.data))
+            try:
+                written += sum(ssd.put_many(items))
+            finally:
+                for view in views:
+                    view.release()
+        left = len(todo) - written
+        if todo:
+            log.log(logging.WARNING if left else logging.INFO,
+                    "kvpool close: wrote %d DRAM-only chunks to SSD, %d left behind (%.1f s "
+                    "budget, pool.close_drain_s)", written, left, self.drain_s)
+        return written, left
+
     def close(self) -> None:
-        """Close in read order: a staging queue drains into its sink before the sink closes.
-        Every tier is closed even if one fails; the first error is raised after."""
+        """Drain DRAM-only chunks to the SSD (``drain_front``), then close in read order: a
+        staging queue drains into its sink before the sink closes. Every tier is closed
+        even if one fails; the first error is raised after."""
         error: BaseException | None = None
+        try:
+            self.drain_front()
+        except BaseException as exc:
+            error = exc
         for tier in self.tiers:
             try:
                 tier.close()
@@ -87,6 +135,9 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
                 durable = cfg.ssd.durability == "durable"
                 stack.through.append(ssd if durable else ssd_staging)
                 stack.ack = ssd if durable else None
+            else:
+                stack.drain_to, stack.drain_s = ssd, cfg.pool.close_drain_s
+                stack.drain_batch = cfg.pool.write_behind_batch
         if remote and cfg.cluster.enabled:
             nodes = RemoteTier(cfg.cluster)
             stack.tiers.append(nodes)
