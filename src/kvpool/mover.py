@@ -85,13 +85,21 @@ class Mover:
                 self._idle.notify_all()
         return moved
 
-    def _move(self, ns: Namespace, keys: list[bytes], add: Callable[[str, int], None]) -> int:
+    def move_now(self, ns: Namespace, keys: list[bytes]) -> int:
+        """Move ``keys`` up in the caller's thread, never waiting for a DRAM slot (a chunk
+        that finds none stays below); the reads count as the tiers' hits. Returns how many
+        were published. Read faults are misses (logged by the tiers); raises
+        PoolClosedError when the pool closes meanwhile."""
+        return self._move(ns, keys, self._counters.add, wait=False)
+
+    def _move(self, ns: Namespace, keys: list[bytes], add: Callable[[str, int], None],
+              wait: bool = True) -> int:
         slots: list[SlotReservation] = []
         wanted: list[bytes] = []
         epoch = self._epoch  # a delete or invalidation from here on voids this move
         try:
             for key in keys:
-                slot = self._front.reserve(key, ns, ns.chunk_bytes, on_lower=True)
+                slot = self._front.reserve(key, ns, ns.chunk_bytes, on_lower=True, wait=wait)
                 if isinstance(slot, SlotReservation):  # True: already there; False: no room
                     slots.append(slot)
                     wanted.append(key)

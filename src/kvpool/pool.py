@@ -252,17 +252,28 @@ class KVPool:
             return None
         return self._mover.submit(ns, keys, "prefetched", "prefetch_skipped", True)
 
-    def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[PinnedView | None]:
+    def pin_many(self, ns: Namespace, keys: Sequence[bytes],
+                 fetch: bool = False) -> list[PinnedView | None]:
         """Zero-copy, read-only views of the chunks resident in DRAM (None for the others,
         which get_many_into can still fetch). Each view pins its slot until ``release()``:
         release every one, or the slots can never be evicted. A key not pinned is not
         counted as a DRAM miss here: the get_many_into that fetches it counts it, so one
-        read of a chunk counts at most one DRAM miss."""
+        read of a chunk counts at most one DRAM miss.
+
+        ``fetch=True``: the chunks only slower tiers hold are first read, in this thread,
+        straight into free DRAM slots and pinned there, so the load's own read is also the
+        promotion (no scratch buffer, no second read in the background). A chunk that finds
+        no free slot, or whose read fails, stays None."""
         self._registered(ns, keys)
         if self._front is None:
             return [None] * len(keys)
         views = [self._front.view(key, ns.id, count_miss=False) for key in keys]
         self._counters.add("dram_hits", sum(v is not None for v in views))
+        if fetch and self._mover is not None:
+            missing = [i for i, v in enumerate(views) if v is None]
+            if missing and self._mover.move_now(ns, [keys[i] for i in missing]):
+                for i in missing:
+                    views[i] = self._front.view(keys[i], ns.id, count_miss=False)
         return views
 
     def _held_locally(self, ns_id: bytes, keys: Sequence[bytes],

@@ -158,7 +158,9 @@ class WorkerSide:
             self.stats.add(load_commit_timeouts=1)  # those chunks miss: vLLM recomputes them
         sources: list[torch.Tensor | None] = [None] * len(chunks)
         try:
-            fetched.pins = self.pool.pin_many(self.ns, keys)
+            # chunks on SSD (or the nodes) are read straight into DRAM slots and pinned:
+            # that read is their promotion too
+            fetched.pins = self.pool.pin_many(self.ns, keys, fetch=True)
             for i, pin in enumerate(fetched.pins):
                 if pin is not None:
                     sources[i] = self._pages(pin.data)
