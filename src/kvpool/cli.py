@@ -44,6 +44,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import vllm as vllm_bench
     vllm_bench.add_arguments(vllm_p)
     vllm_p.set_defaults(func=vllm_bench.run_from_args)
+    serve_p = bench_sub.add_parser("serve", help="vLLM's OpenAI server under vllm bench serve: "
+                                   "kvpool hits after a restart vs the engine's prefix cache")
+    from kvpool.bench import serve as serve_bench
+    serve_bench.add_arguments(serve_p)
+    serve_p.set_defaults(func=serve_bench.run_from_args)
     return parser
 
 
