@@ -53,7 +53,8 @@ def _mode(rows: dict[int, tuple[float, list[float]]]) -> dict[str, Any]:
 def test_ratios_pool_the_hits_and_compare_the_first_requests() -> None:
     modes = {"recompute": _mode({1024: (0.5, [0.4, 0.4]), 6144: (2.0, [2.0, 2.0])}),
              "kvpool": _mode({1024: (0.6, [0.1, 0.1, 0.1]), 6144: (0.2, [0.2, 0.2, 1.0])}),
-             "example": _mode({1024: (0.9, [0.3, 0.3]), 6144: (1.0, [0.5, 0.5])})}
+             "example": _mode({1024: (0.9, [0.3, 0.3]), 6144: (1.0, [0.5, 0.5])}),
+             "engine_cache": _mode({1024: (0.5, [0.05, 0.05]), 6144: (2.0, [0.1, 0.1])})}
     r = bench.ratios(modes, (1024, 6144))
     assert r["ttft_hit_vs_recompute"] == pytest.approx(0.1)  # medians at 6144
     assert r["ttft_hit_vs_example_connector"] == pytest.approx(0.4)
@@ -63,15 +64,21 @@ def test_ratios_pool_the_hits_and_compare_the_first_requests() -> None:
     assert r["ttft_hit_p99_vs_median"] == pytest.approx(float(np.percentile(pooled, 99)))
     # the engine's first request is the first one on the shortest (first) document
     assert r["first_request_vs_no_connector"] == pytest.approx(0.6 / 0.5)
-    assert set(r) == set(bench.TARGETS)
+    assert r["ttft_hit_vs_engine_cache"] == pytest.approx(2.0)
+    # loading adds 0.1 s to the 0.1 s floor with kvpool, 0.4 s with ExampleConnector
+    assert r["load_vs_example_connector"] == pytest.approx(0.25)
+    assert set(r) == set(bench.TARGETS) | set(bench.CONTEXT)
 
 
 def test_report_prints_every_ratio_with_its_target(capsys: pytest.CaptureFixture[str]) -> None:
     modes = {m: _mode({1024: (0.5, [0.1, 0.2])}) for m in bench.MODES}
+    modes["engine_cache"] = _mode({1024: (0.5, [0.05, 0.05])})
     report = {"model": "m", "engine": "e", "lengths": [1024], "repeats": 2, "modes": modes,
               "ratios": bench.ratios(modes, (1024,)), "targets": dict(bench.TARGETS)}
     bench._print(report)
     out = capsys.readouterr().out
     for name, target in bench.TARGETS.items():
         assert f"{name}: " in out and f"(target {target}" in out
+    for name in bench.CONTEXT:
+        assert f"{name}: " in out and "(no target: " in out
     assert "pooled" in out and "first request of a fresh engine" in out
