@@ -6,8 +6,9 @@ followed by a 16-token question of its own, ``repeats + 1`` requests per documen
 each in its own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pinned vLLM venv):
 
 * ``recompute``: no connector; every request prefills document and question;
-* ``kvpool``: ``KVPoolConnector`` (embedded pool: DRAM, written through to SSD); the first request on
-  a document stores its chunks, the timed ones load them and compute the question;
+* ``kvpool``: ``KVPoolConnector`` (embedded pool: DRAM, written through to SSD); the first
+  request on a document stores its chunks, the timed ones load them and compute the
+  question;
 * ``example``: vLLM's bundled ``ExampleConnector`` (one safetensors file per layer per
   prompt prefix), the same sequence;
 * ``engine_cache``: no connector, vLLM's own prefix cache on: the timed requests hit the
@@ -15,9 +16,9 @@ each in its own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pin
   hits: what is left once loading costs nothing (the question's prefill, sampling, the
   engine's per-request work).
 
-vLLM's own prefix cache is off in every other mode, so only the connector reuses KV; a whole prompt
-is one scheduler step (``max_num_batched_tokens`` 8192), which ExampleConnector needs to store
-it. TTFT = wall time of ``generate`` with ``max_tokens=1``; the first request per document is
+vLLM's own prefix cache is off in every other mode, so only the connector reuses KV; a whole
+prompt is one scheduler step (``max_num_batched_tokens`` 8192), which ExampleConnector needs
+to store it. TTFT = wall time of ``generate`` with ``max_tokens=1``; the first request per document is
 not timed (it stores; in recompute mode it warms up) but its TTFT is kept
 (``first_request_s``). Median and p99 over the timed requests; ``ratios`` (see ``ratios``)
 compares medians at the longest document (< 1 = kvpool faster), kvpool's hit p99 with its hit
