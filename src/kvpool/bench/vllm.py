@@ -18,8 +18,8 @@ each in its own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pin
 
 vLLM's own prefix cache is off in every other mode, so only the connector reuses KV; a whole
 prompt is one scheduler step (``max_num_batched_tokens`` 8192), which ExampleConnector needs
-to store it. TTFT = wall time of ``generate`` with ``max_tokens=1``; the first request per document is
-not timed (it stores; in recompute mode it warms up) but its TTFT is kept
+to store it. TTFT = wall time of ``generate`` with ``max_tokens=1``; the first request per
+document is not timed (it stores; in recompute mode it warms up) but its TTFT is kept
 (``first_request_s``). Median and p99 over the timed requests; ``ratios`` (see ``ratios``)
 compares medians at the longest document (< 1 = kvpool faster), kvpool's hit p99 with its hit
 median, and the engine's very first request with and without the connector. Saves are
