@@ -76,7 +76,13 @@ class DramConfig(_Section):
     slab_size: Size = Field(64 << 20, description="Unit the arena hands to a size class; must be >= the largest chunk.")
     eviction: Literal["lru", "s3fifo"] = Field("s3fifo", description="Eviction policy of each size class.")
     shm_path: str | None = Field(None, description="Back the arena by this /dev/shm file (shared with local engine processes) instead of anonymous memory.")
-    prefault: bool = Field(False, description="Touch every page of the arena at start: RSS is taken at once, and no put pays a page fault (recommended for storage nodes).")
+    prefault: Literal["none", "start", "background"] = Field("background", description="Take the arena's pages before puts need them (a put into never-touched memory pays a page fault and zero-fill per 4 KiB, several times slower than the copy). background: a low-priority thread populates slab by slab from start (MADV_POPULATE_WRITE, contents untouched), so opening the pool does not wait and the first saves find most pages ready; start: all pages at open (recommended for storage nodes); none: on first write. RSS grows to dram.capacity in both first modes. true / false mean start / none.")
+
+    @field_validator("prefault", mode="before")
+    @classmethod
+    def _prefault_bools(cls, value: object) -> object:
+        return {True: "start", False: "none"}.get(value, value) if isinstance(value, bool) \
+            else value
     put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot when every resident chunk is pinned by a zero-copy view, before the put is dropped (counted).")
 
     @field_validator("slab_size")

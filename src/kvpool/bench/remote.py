@@ -90,7 +90,7 @@ def _start_node(scratch: Path, plan: RemotePlan) -> Process:
     per_size = max(plan.pass_bytes, plan.min_chunks * biggest) + 2 * slab
     cfg = {"cache_dir": str(scratch / "node"),
            "dram": {"capacity": len(plan.sizes) * per_size, "slab_size": slab,
-                    "prefault": True},
+                    "prefault": "start"},
            "ssd": {"enabled": False},
            "server": {"host": "127.0.0.1", "port": 0}}
     path = scratch / "node.yaml"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool.record import BLOCK, round_up
+from kvpool.tiers.prefault import BackgroundPopulate, map_address, populate
 
 
 @dataclass
@@ -31,7 +32,7 @@ class SlotArena:
     if the backing memory cannot be mapped."""
 
     def __init__(self, capacity: int, slab_size: int, shm_path: str | None = None,
-                 prefault: bool = False) -> None:
+                 prefault: str = "none") -> None:
         if slab_size <= 0 or slab_size % BLOCK:
             raise ValueError(f"dram.slab_size must be a positive multiple of {BLOCK}")
         slabs = capacity // slab_size
@@ -51,10 +52,16 @@ class SlotArena:
         else:
             self._map = mmap.mmap(-1, self.capacity, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.buffer = memoryview(self._map)
-        if prefault:  # take every page now, so no put pays a page fault and zero-fill
+        self._populating: BackgroundPopulate | None = None
+        if prefault not in ("none", "start", "background"):
+            raise ValueError(f"dram.prefault must be none, start or background, not {prefault!r}")
+        if prefault == "start" and not populate(map_address(self._map), self.capacity):
             pages = np.frombuffer(self._map, dtype=np.uint8)[::mmap.PAGESIZE]
-            pages[:] = 0
+            pages[:] = 0  # touch every page: before any put, so nothing is overwritten
             del pages
+        elif prefault == "background":  # slabs are handed out from offset 0 up: same order
+            self._populating = BackgroundPopulate(map_address(self._map), self.capacity,
+                                                  slab_size)
         self._free_slabs = list(range(self.capacity - slab_size, -1, -slab_size))
         self.classes: dict[int, SizeClass] = {}
 
@@ -120,6 +127,8 @@ class SlotArena:
 
     def close(self) -> None:
         """Unmap. If views are still exported the mapping stays until they are collected."""
+        if self._populating is not None:
+            self._populating.stop()
         try:
             self.buffer.release()
             self._map.close()

@@ -31,7 +31,7 @@ class DramTier:
 
     def __init__(self, capacity: int, slab_size: int = 64 << 20, eviction: str = "s3fifo",
                  shm_path: str | None = None, demote: DemotionSink | None = None,
-                 put_wait_s: float = 1.0, prefault: bool = False) -> None:
+                 put_wait_s: float = 1.0, prefault: str = "none") -> None:
         self._arena = SlotArena(capacity, slab_size, shm_path, prefault)
         self._eviction = eviction
         make_eviction_policy(eviction)  # validate the name now, not at the first eviction
