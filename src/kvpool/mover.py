@@ -5,6 +5,10 @@ Either way chunks are read from the lower tiers straight into reserved DRAM slot
 copy) on one background thread, so a read never pays for its own promotion. At most
 ``max_pending`` jobs are queued; more are skipped and counted, never waited for. Faults are
 misses, as in reads: a job never raises.
+
+A chunk is read by one move at a time: a load that moves chunks itself (``move_now``) waits
+for those a background move is already reading (at most ``IN_FLIGHT_WAIT_S``) instead of
+reading them a second time beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from kvpool.tiers.slots import SlotReservation
 
 log = logging.getLogger("kvpool.pool")
 
+#: How long ``move_now`` waits for a chunk another move is reading; past it the chunk is left
+#: to the caller's own read.
+IN_FLIGHT_WAIT_S = 10.0
+
 
 class Mover:
     """``counters`` gets prefetched / promotions (chunks moved up) and *_skipped (jobs not
@@ -42,6 +50,7 @@ class Mover:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
         self._epoch = 0  # bumped by every removal: see removing()
+        self._in_flight: dict[bytes, threading.Event] = {}  # key -> set when its move ends
         self._publish = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
@@ -87,33 +96,66 @@ class Mover:
 
     def move_now(self, ns: Namespace, keys: list[bytes]) -> int:
         """Move ``keys`` up in the caller's thread, never waiting for a DRAM slot (a chunk
-        that finds none stays below); the reads count as the tiers' hits. Returns how many
-        were published. Read faults are misses (logged by the tiers); raises
-        PoolClosedError when the pool closes meanwhile."""
-        return self._move(ns, keys, self._counters.add, wait=False)
+        that finds none stays below); the reads count as the tiers' hits. Keys another move
+        is reading are not read again: this waits for that move (IN_FLIGHT_WAIT_S at most).
+        Returns how many this call published. Read faults are misses (logged by the tiers);
+        raises PoolClosedError when the pool closes meanwhile."""
+        others: list[threading.Event] = []
+        moved = self._move(ns, keys, self._counters.add, wait=False, others=others)
+        for done in others:
+            done.wait(IN_FLIGHT_WAIT_S)
+        return moved
+
+    def _claim(self, keys: list[bytes], done: threading.Event,
+               others: list[threading.Event] | None) -> list[bytes]:
+        """The keys no other move is reading, now marked as this move's; the events of the
+        moves reading the rest go to ``others`` (when given)."""
+        mine = []
+        with self._lock:
+            for key in keys:
+                theirs = self._in_flight.get(key)
+                if theirs is None:
+                    self._in_flight[key] = done
+                    mine.append(key)
+                elif others is not None and theirs not in others:
+                    others.append(theirs)
+        return mine
+
+    def _release(self, keys: list[bytes], done: threading.Event) -> None:
+        with self._lock:
+            for key in keys:
+                if self._in_flight.get(key) is done:
+                    del self._in_flight[key]
+        done.set()
 
     def _move(self, ns: Namespace, keys: list[bytes], add: Callable[[str, int], None],
-              wait: bool = True) -> int:
-        slots: list[SlotReservation] = []
-        wanted: list[bytes] = []
+              wait: bool = True, others: list[threading.Event] | None = None) -> int:
+        """Reserve DRAM slots, claim the reserved keys no other move is reading (their
+        movers' events go to ``others``), read the claimed ones straight into their slots,
+        publish unless a removal ended meanwhile."""
+        slots: dict[bytes, SlotReservation] = {}
+        done = threading.Event()
+        claimed: list[bytes] = []
         epoch = self._epoch  # a delete or invalidation from here on voids this move
         try:
             for key in keys:
                 slot = self._front.reserve(key, ns, ns.chunk_bytes, on_lower=True, wait=wait)
                 if isinstance(slot, SlotReservation):  # True: already there; False: no room
-                    slots.append(slot)
-                    wanted.append(key)
-            served = read_tiers(self._lower, ns, wanted, [s.view for s in slots], add)
+                    slots[key] = slot
+            claimed = self._claim(list(slots), done, others)
+            views = [slots[key].view for key in claimed]
+            served = read_tiers(self._lower, ns, claimed, views, add)
             moved = 0
             with self._publish:  # no removal runs between the check and the publish
                 if self._epoch == epoch:
-                    for slot, tier in zip(slots, served, strict=True):
+                    for key, tier in zip(claimed, served, strict=True):
                         if tier >= 0:
-                            moved += slot.commit()
+                            moved += slots[key].commit()
             return moved
         finally:
-            for slot in slots:
-                slot.abort()  # the misses (a no-op for the committed ones)
+            for slot in slots.values():
+                slot.abort()  # the misses and the unclaimed (a no-op for the committed ones)
+            self._release(claimed, done)
 
     @contextlib.contextmanager
     def removing(self) -> Iterator[None]:

@@ -271,7 +271,8 @@ class KVPool:
         self._counters.add("dram_hits", sum(v is not None for v in views))
         if fetch and self._mover is not None:
             missing = [i for i, v in enumerate(views) if v is None]
-            if missing and self._mover.move_now(ns, [keys[i] for i in missing]):
+            if missing:  # moved by this call or by a move it waited for
+                self._mover.move_now(ns, [keys[i] for i in missing])
                 for i in missing:
                     views[i] = self._front.view(keys[i], ns.id, count_miss=False)
         return views
