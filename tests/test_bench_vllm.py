@@ -64,6 +64,7 @@ def test_ratios_pool_the_hits_and_compare_the_first_requests() -> None:
     assert r["ttft_hit_p99_vs_median"] == pytest.approx(float(np.percentile(pooled, 99)))
     # the engine's first request is the first one on the shortest (first) document
     assert r["first_request_vs_no_connector"] == pytest.approx(0.6 / 0.5)
+    assert r["miss_penalty"] == pytest.approx(0.2 / 2.0)  # first requests at 6144
     assert r["ttft_hit_vs_engine_cache"] == pytest.approx(2.0)
     # loading adds 0.1 s to the 0.1 s floor with kvpool, 0.4 s with ExampleConnector
     assert r["load_vs_example_connector"] == pytest.approx(0.25)
