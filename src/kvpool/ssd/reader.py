@@ -121,11 +121,10 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
     ``out`` after it returns or raises."""
     direct = store.direct
     into_out = [not direct or is_direct_capable(out) for out in outs]
-    scratch_bytes = sum(BLOCK + (round_up(out.nbytes) - out.nbytes if ok
-                                 else round_up(out.nbytes))
-                        for out, ok in zip(outs, into_out, strict=True))
-    scratch = buffers.run_of(scratch_bytes)
     total = sum(loc.blocks for loc in locs) * BLOCK
+    # Everything but the payloads that land in their ``out`` goes to the scratch.
+    scratch = buffers.run_of(total - sum(out.nbytes for out, ok in zip(outs, into_out,
+                                                                       strict=True) if ok))
     split = piece if total >= 2 * piece else total
     fd, base = store.fd(locs[0].segment), store.base(locs[0].segment) + locs[0].block * BLOCK
     # Lay the run out piece by piece: (file offset, iovecs, first record, end record).
@@ -141,7 +140,7 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
     piece_bytes, piece_first, last = 0, 0, len(locs) - 1
     for i, (loc, out, ok) in enumerate(zip(locs, outs, into_out, strict=True)):
         header_at, nbytes = pos, out.nbytes
-        padded = round_up(nbytes)
+        padded = loc.blocks * BLOCK - BLOCK  # admitted: the record fits ``out`` exactly
         if run_from < 0:
             run_from = pos
         pos += BLOCK
