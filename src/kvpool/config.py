@@ -160,6 +160,7 @@ class PoolConfig(_Section):
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")
     prefetch_max_pending: int = Field(4, ge=1, description="Background moves up into DRAM (KVPool.prefetch, and promotions of chunks a read found only on SSD or the nodes) queued at once; more are skipped (counted as prefetch_skipped / promotions_skipped), never waited for.")
     prefetch_batch: int = Field(8, ge=1, description="Chunks a background move reads per batch, straight into reserved DRAM slots.")
+    prefetch_window_chunks: int = Field(16, ge=0, description="Read-ahead along a prefix (YRCloudFile's prefetch_window, in chunks): an integration passes it to KVPool.lookup(prefetch=...), which moves the first this-many chunks of the prefix found that DRAM lacks up into DRAM in the background, so the load that follows finds them there; the integrations turn it into tokens (chunks x chunk tokens). 0 = off. Default from kvpool bench storage (prefetch case, 64 KiB chunks, CPU box): a 16-chunk SSD-only prefix loaded 2 ms after its lookup took ~0.2 ms instead of ~1.8 ms; a load issued right after the lookup was 25-50% slower instead (the move and the load read the same chunks), so an integration whose load cannot follow its lookup by a scheduler step should pass 0.")
 
 
 class TenantToken(_Section):

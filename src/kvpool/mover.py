@@ -56,12 +56,12 @@ class Mover:
         self._closed = False
 
     def submit(self, ns: Namespace, keys: Sequence[bytes], counter: str, skipped: str,
-               count_hits: bool) -> Future[int] | None:
-        """Queue a job moving ``keys`` up (those DRAM lacks); None if there is nothing to do or
-        ``max_pending`` jobs are queued (counted as ``skipped``). ``counter`` counts the
-        chunks moved."""
+               count_hits: bool, limit: int | None = None) -> Future[int] | None:
+        """Queue a job moving ``keys`` up (those DRAM lacks, at most the first ``limit`` of
+        them); None if there is nothing to do or ``max_pending`` jobs are queued (counted as
+        ``skipped``). ``counter`` counts the chunks moved."""
         todo = [k for k, held in zip(keys, self._front.contains_many(keys, ns.id), strict=True)
-                if not held]
+                if not held][:limit]
         if not todo:
             return None
         with self._lock:

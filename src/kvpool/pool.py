@@ -293,10 +293,19 @@ class KVPool:
             todo = [i for i, flag in zip(todo, flags, strict=True) if not flag]
         return held[:leading_run(held)] if stop_at_miss else held
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], *, prefetch: int = 0) -> int:
         """Length of the longest leading run of ``keys`` present in any tier: what the tiers
         know locally first (each asked once, for what the faster ones lack), then, for the
-        rest, each tier's own lookup (storage nodes: one batched EXISTS per node)."""
+        rest, each tier's own lookup (storage nodes: one batched EXISTS per node).
+
+        ``prefetch`` > 0 reads ahead along the prefix: the first ``prefetch`` chunks of the
+        run that DRAM lacks are moved up into DRAM in the background, as :meth:`prefetch`
+        moves them (a move already queued ``pool.prefetch_max_pending`` times over is
+        skipped and counted, never waited for; a chunk removed meanwhile is not brought
+        back), so the load that follows finds them in DRAM. Integrations pass
+        ``pool.prefetch_window_chunks``. Raises ValueError for a negative ``prefetch``."""
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 chunks, got {prefetch}")
         self._registered(ns, keys)
         self._counters.add("lookups")
         n = len(self._held_locally(ns.id, keys, stop_at_miss=True))
@@ -305,6 +314,9 @@ class KVPool:
                 break
             n += tier.lookup(ns, keys[n:])
         self._counters.add("lookup_hit_chunks", n)
+        if prefetch and n and self._mover is not None:
+            self._mover.submit(ns, keys[:n], "prefetched", "prefetch_skipped", True,
+                               limit=prefetch)
         return n
 
     def contains(self, ns: Namespace, key: bytes) -> bool:

@@ -17,6 +17,8 @@ with the same number of threads:
 * Prefixes: one ``get_many_into`` of 8, 16, 32 or 64 consecutive 64 KiB chunks saved by one
   ``put_many``, cold, vs the file-per-chunk store and one sequential O_DIRECT ``preadv`` of
   the same bytes (:mod:`kvpool.bench.storage_prefix`).
+* Prefetch: the load of an SSD-only prefix a few ms after ``KVPool.lookup(prefetch=N)`` vs
+  after a lookup without it (:mod:`kvpool.bench.storage_prefetch`).
 
 Fairness rules: data is generated once (numpy random) and both sides write the very same
 buffers; each write pass goes to fresh keys / fresh preallocated space on both sides (after one
@@ -48,6 +50,7 @@ from rich.console import Console
 from kvpool.bench.stats import BenchFailure, Comparison, human_bytes, render_table
 from kvpool.bench.storage_common import Log, MiB, Plan, Run, Source
 from kvpool.bench.storage_dram import bench_dram
+from kvpool.bench.storage_prefetch import PREFETCH_CHUNKS, bench_prefetch
 from kvpool.bench.storage_prefix import PREFIX_RATIOS, bench_prefix
 from kvpool.bench.storage_small import bench_small
 from kvpool.bench.storage_ssd import bench_ssd
@@ -117,6 +120,7 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
             bench_ssd(run, size)
         bench_small(run)
         bench_prefix(run)
+        bench_prefetch(run)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
@@ -133,6 +137,8 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         "small_write_vs_file_per_chunk": ("small", "write", small, 1),
         "small_read_4t_vs_file_per_chunk": ("small", "read cold rand", small, top),
         "small_write_durable_vs_file_per_chunk": ("small", "write durable", small, 1),
+        "prefix_load_prefetch_vs_none": ("prefetch", f"load {PREFETCH_CHUNKS} after lookup",
+                                         small, 1),
     }
     ratios: dict[str, float] = {}
     ratio_basis: dict[str, str] = {}

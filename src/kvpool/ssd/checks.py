@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from kvpool.counters import Counters
@@ -37,21 +38,44 @@ class ReadChecks:
         self._counters, self._lock, self._index, self._ns = counters, lock, index, ns
         self._pipeline_min, self._piece = pipeline_min, piece
 
-    def admit(self, key: bytes, loc: Location | None, out: memoryview,
-               namespace_id: bytes | None) -> bool:
-        """Count a get; False (a counted miss) when ``key`` is not indexed or is indexed under
-        another namespace. Raises ChunkSizeError when ``out`` does not fit the record."""
-        self._counters.add("gets")
-        if loc is None:
-            return self.miss()
+    def admit(self, loc: Location | None, out: memoryview, namespace_id: bytes | None) -> bool:
+        """Count a get; False (a counted miss) when the key is not indexed (``loc`` None) or
+        is indexed under another namespace. Raises ChunkSizeError when ``out`` does not fit
+        the record."""
+        return bool(self.admit_many((loc,), (out,), namespace_id))
+
+    def admit_many(self, locs: Sequence[Location | None], outs: Sequence[memoryview],
+                   namespace_id: bytes | None) -> list[int]:
+        """``admit`` for a batch, counted once for the batch rather than once per key: the
+        indices of the keys to read. Raises ChunkSizeError as ``admit`` does (the keys up to
+        that one counted as gets)."""
         # The index knows each record's namespace: a foreign one costs no IO (and is not a
-        # ChunkSizeError when the other namespace's chunks differ in size).
-        if namespace_id is not None and self._ns.id_of(loc.ns_index) != namespace_id:
-            return self.wrong_namespace()
-        if record_size(out.nbytes) != loc.blocks * BLOCK:
-            raise ChunkSizeError(f"output buffer of {out.nbytes} bytes does not match the "
-                                 f"stored record of {loc.blocks * BLOCK} bytes")
-        return True
+        # ChunkSizeError when the other namespace's chunks differ in size). A namespace's
+        # number is never reused, so comparing numbers is comparing ids.
+        check_ns = namespace_id is not None
+        want = self._ns.find(namespace_id) if namespace_id is not None else -1
+        wanted: list[int] = []
+        seen = absent = foreign = 0
+        try:
+            for i, loc in enumerate(locs):
+                seen = i + 1
+                if loc is None:
+                    absent += 1
+                elif check_ns and loc.ns_index != want:
+                    foreign += 1
+                elif record_size(outs[i].nbytes) != loc.blocks * BLOCK:
+                    raise ChunkSizeError(f"output buffer of {outs[i].nbytes} bytes does not "
+                                         f"match the stored record of {loc.blocks * BLOCK} "
+                                         "bytes")
+                else:
+                    wanted.append(i)
+        finally:
+            self._counters.add("gets", seen)
+            if absent or foreign:
+                self._counters.add("misses", absent + foreign)
+            if foreign:
+                self._counters.add("namespace_mismatch", foreign)
+        return wanted
 
     def fetch_run(self, keys: list[bytes], locs: list[Location], outs: list[memoryview],
                    namespace_id: bytes | None) -> list[bool]:
@@ -67,13 +91,18 @@ class ReadChecks:
             log.debug("ssd: coalesced read failed (%s); reading its records one by one", exc)
             reads = [None] * len(keys)
         hits = []
+        passed = 0  # hits judged here, counted once (a record read alone counts its own)
         for key, loc, out, r in zip(keys, locs, outs, reads, strict=True):
             if r is None:  # not reached by a short read, or the run failed
                 hits.append(self.fetch(key, loc, out, False, namespace_id))
             elif isinstance(r, CorruptRecordError):
                 hits.append(self.corrupt(key, loc, str(r)))
             else:
-                hits.append(self.verdict(key, loc, out, r, namespace_id))
+                ok = self.verdict(key, loc, out, r, namespace_id)
+                passed += ok
+                hits.append(ok)
+        if passed:
+            self._counters.add("hits", passed)
         return hits
 
     def fetch(self, key: bytes, loc: Location, out: memoryview, pipelined: bool,
@@ -88,11 +117,15 @@ class ReadChecks:
             return self.miss()
         except CorruptRecordError as exc:
             return self.corrupt(key, loc, str(exc))
-        return self.verdict(key, loc, out, read, namespace_id)
+        if self.verdict(key, loc, out, read, namespace_id):
+            self._counters.add("hits")
+            return True
+        return False
 
     def verdict(self, key: bytes, loc: Location, out: memoryview, read: RecordRead,
                  namespace_id: bytes | None) -> bool:
-        """The checks that make a record just read a hit (its payload then in ``out``)."""
+        """The checks that make a record just read a hit (its payload then in ``out``); a
+        failure is counted here, a hit by the caller (once per run)."""
         h, got, nbytes = read.header, read.got, out.nbytes
         if h.key != key:  # the segment was recycled under us: the record is simply gone
             self._counters.add("stale_reads")
@@ -105,7 +138,6 @@ class ReadChecks:
             return self.corrupt(key, loc, "payload checksum mismatch")
         if read.payload is not out:
             out[:] = read.payload[:nbytes]
-        self._counters.add("hits")
         return True
 
     def miss(self) -> bool:

@@ -7,6 +7,7 @@ buffers and DRAM slots alike.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -31,12 +32,16 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 
 def buffer_address(view: memoryview) -> int:
     """Address of a buffer's first byte (works for read-only buffers too)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+    if not len(view):
+        return 0
+    if not view.readonly and view.c_contiguous:  # ~0.5 us where numpy's .ctypes takes ~3
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def is_direct_capable(view: memoryview) -> bool:
     """True if ``view`` can be handed to O_DIRECT IO as is (address and length aligned)."""
-    return len(view) % BLOCK == 0 and buffer_address(view) % BLOCK == 0
+    return view.nbytes % BLOCK == 0 and buffer_address(view) % BLOCK == 0
 
 
 class ThreadBuffers(threading.local):

@@ -314,7 +314,7 @@ class SsdEngine:
         view = byte_view(out, writable=True)
         with self._lock:
             loc = self._index.get(key, mark_hot=True)
-        return (self._checks.admit(key, loc, view, namespace_id) and loc is not None
+        return (self._checks.admit(loc, view, namespace_id) and loc is not None
                 and self._checks.fetch(key, loc, view, True, namespace_id))
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
@@ -330,9 +330,8 @@ class SsdEngine:
             raise ValueError("keys and outs differ in length")
         views = [byte_view(o, writable=True) for o in outs]
         with self._lock:
-            locs = [self._index.get(k, mark_hot=True) for k in keys]
-        wanted = [i for i, (k, loc, v) in enumerate(zip(keys, locs, views, strict=True))
-                  if self._checks.admit(k, loc, v, namespace_id)]
+            locs = self._index.get_many(keys, mark_hot=True)
+        wanted = self._checks.admit_many(locs, views, namespace_id)
         hits = [False] * len(keys)
 
         def read(run: list[int]) -> None:

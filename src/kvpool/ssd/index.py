@@ -11,9 +11,10 @@ and are reclaimed on the next resize. Not thread-safe: the engine locks.
 
 from __future__ import annotations
 
+import struct
 from array import array
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import Iterable
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -22,13 +23,15 @@ _DELETED = 0xFFFFFFFF
 _MAX_LOAD = 0.85
 _GROWTH = 1.5
 _MIN_CAPACITY = 1024
+_KEY_HALVES = struct.Struct("<QQ").unpack  # a 16-byte key as its two little-endian halves
 _COLUMNS = (("k0", "Q", np.uint64), ("k1", "Q", np.uint64), ("segment", "H", np.uint16),
             ("block", "I", np.uint32), ("blocks", "I", np.uint32), ("ns_index", "H", np.uint16),
             ("hot", "B", np.uint8))
 
 
-@dataclass(frozen=True, slots=True)
-class Location:
+class Location(NamedTuple):
+    """Where a record lies (immutable; a NamedTuple: one is built per key read)."""
+
     segment: int
     block: int  # offset of the record's header block, in 4 KiB blocks
     blocks: int  # record size in 4 KiB blocks, header block included
@@ -67,7 +70,11 @@ class CompactIndex:
 
     @staticmethod
     def _split(key: bytes) -> tuple[int, int]:
-        return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
+        try:
+            a, b = _KEY_HALVES(key)
+            return a, b
+        except struct.error:  # not 16 bytes: matches no stored key, as any other absent one
+            return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
 
     def _find(self, a: int, b: int) -> int:
         """Slot holding (a, b), or -1."""
@@ -94,7 +101,34 @@ class CompactIndex:
             return None
         if mark_hot:
             self._hot[i] = 1
-        return self._location(i)
+        return Location(self._segment[i], self._block[i], self._blocks[i], self._ns_index[i])
+
+    def get_many(self, keys: Iterable[bytes], mark_hot: bool = False) -> list[Location | None]:
+        """``get`` for each key, in order (the probe loop inlined: a batch read looks up
+        every key of a prefix under one lock hold)."""
+        cap, k0, k1, blocks, hot = self._cap, self._k0, self._k1, self._blocks, self._hot
+        segment, block, ns_index = self._segment, self._block, self._ns_index
+        found: list[Location | None] = []
+        for key in keys:
+            try:
+                a, b = _KEY_HALVES(key)
+            except struct.error:
+                a, b = self._split(key)
+            i = a % cap
+            while True:
+                n = blocks[i]
+                if n == _EMPTY:
+                    found.append(None)
+                    break
+                if n != _DELETED and k0[i] == a and k1[i] == b:
+                    if mark_hot:
+                        hot[i] = 1
+                    found.append(Location(segment[i], block[i], n, ns_index[i]))
+                    break
+                i += 1
+                if i == cap:
+                    i = 0
+        return found
 
     def ns_index_of(self, key: bytes) -> int:
         """The key's namespace index, or -1 if it is not indexed."""

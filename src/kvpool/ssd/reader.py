@@ -53,25 +53,28 @@ def read_record(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
     fd, pos = store.fd(loc.segment), store.base(loc.segment) + loc.block * BLOCK
     hblock = buffers.header
     direct_into_out = not store.direct or is_direct_capable(out)
-    payload = out if direct_into_out else buffers.staging_of(round_up(nbytes))
+    if not (pipeline_min is not None and direct_into_out and nbytes >= pipeline_min):
+        # One preadv, then the checks (the common case of small chunks: kept lean).
+        payload = out if direct_into_out else buffers.staging_of(round_up(nbytes))
+        got = os.preadv(fd, [hblock, payload], pos)
+        digest = payload_checksum(out if direct_into_out else payload[:nbytes])
+        return RecordRead(unpack_header(hblock), got, digest, payload)
     # One thread reads header + first piece and hashes each piece as it lands while the
     # piece pool reads the rest: the checksum no longer waits for the whole IO.
-    split = pipeline_min is not None and direct_into_out and nbytes >= pipeline_min
-    first = piece if split else len(payload)
-    rest = [(o, min(piece, nbytes - o)) for o in range(first, nbytes, piece)] if split else []
-    futures = [pieces.submit(os.preadv, fd, [payload[o:o + n]], pos + HEADER_BLOCK + o)
+    rest = [(o, min(piece, nbytes - o)) for o in range(piece, nbytes, piece)]
+    futures = [pieces.submit(os.preadv, fd, [out[o:o + n]], pos + HEADER_BLOCK + o)
                for o, n in rest]
     try:
-        got = os.preadv(fd, [hblock, payload[:first]], pos)
+        got = os.preadv(fd, [hblock, out[:piece]], pos)
         header = unpack_header(hblock)
-        hasher = xxhash.xxh3_64(payload[:min(first, nbytes)])
+        hasher = xxhash.xxh3_64(out[:piece])
         for future, (o, n) in zip(futures, rest, strict=True):
             got += future.result()
-            hasher.update(payload[o:o + n])
+            hasher.update(out[o:o + n])
     finally:
         for future in futures:  # never leave a piece landing in `out` after we return
             future.exception()
-    return RecordRead(header, got, hasher.intdigest(), payload)
+    return RecordRead(header, got, hasher.intdigest(), out)
 
 
 def plan_runs(order: Sequence[int], locs: Sequence[Location],
@@ -118,51 +121,49 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
     ``out`` after it returns or raises."""
     direct = store.direct
     into_out = [not direct or is_direct_capable(out) for out in outs]
-    scratch_bytes = sum(BLOCK + (round_up(out.nbytes) - out.nbytes if ok
-                                 else round_up(out.nbytes))
-                        for out, ok in zip(outs, into_out, strict=True))
-    scratch = buffers.run_of(scratch_bytes)
     total = sum(loc.blocks for loc in locs) * BLOCK
+    # Everything but the payloads that land in their ``out`` goes to the scratch.
+    scratch = buffers.run_of(total - sum(out.nbytes for out, ok in zip(outs, into_out,
+                                                                       strict=True) if ok))
     split = piece if total >= 2 * piece else total
     fd, base = store.fd(locs[0].segment), store.base(locs[0].segment) + locs[0].block * BLOCK
     # Lay the run out piece by piece: (file offset, iovecs, first record, end record).
+    # Per record, the scratch holds its header block, then its payload's padding (or the
+    # whole padded payload when it cannot land in its ``out``); scratch bytes that follow
+    # one another on the medium go out as one iovec.
     plan: list[tuple[int, list[memoryview], int, int]] = []
     places: list[tuple[int, memoryview]] = []  # per record: (header offset in scratch, payload)
     pos = 0  # next free byte of the scratch
     offset = 0  # of the current piece's start, from the run's start
     iov: list[memoryview] = []
-    merge_from = -1  # the scratch offset where the last iovec (when it is scratch) starts
-    piece_bytes, piece_first = 0, 0
-
-    def take(nbytes: int) -> memoryview:
-        nonlocal pos, merge_from
-        view = scratch[pos:pos + nbytes]
-        if merge_from >= 0:  # extend the previous scratch iovec: fewer, larger iovecs
-            iov[-1] = scratch[merge_from:pos + nbytes]
-        else:
-            merge_from = pos
-            iov.append(view)
-        pos += nbytes
-        return view
-
+    run_from = -1  # where the scratch bytes not yet in ``iov`` start (-1: none)
+    piece_bytes, piece_first, last = 0, 0, len(locs) - 1
     for i, (loc, out, ok) in enumerate(zip(locs, outs, into_out, strict=True)):
-        header_at = pos
-        take(BLOCK)
-        padded = round_up(out.nbytes)
+        header_at, nbytes = pos, out.nbytes
+        padded = loc.blocks * BLOCK - BLOCK  # admitted: the record fits ``out`` exactly
+        if run_from < 0:
+            run_from = pos
+        pos += BLOCK
         if ok:
-            if out.nbytes:
+            if nbytes:
+                iov.append(scratch[run_from:pos])
                 iov.append(out)
-                merge_from = -1
-            if padded > out.nbytes:
-                take(padded - out.nbytes)
+                run_from = -1
+                if padded > nbytes:
+                    run_from = pos
+                    pos += padded - nbytes
             places.append((header_at, out))
         else:
-            places.append((header_at, take(padded)[:out.nbytes]))
+            pos += padded
+            places.append((header_at, scratch[header_at + BLOCK:header_at + BLOCK + nbytes]))
         piece_bytes += loc.blocks * BLOCK
-        if piece_bytes >= split or i == len(locs) - 1:
+        if piece_bytes >= split or i == last:
+            if run_from >= 0:
+                iov.append(scratch[run_from:pos])
+                run_from = -1
             plan.append((offset, iov, piece_first, i + 1))
             offset += piece_bytes
-            iov, merge_from, piece_bytes, piece_first = [], -1, 0, i + 1
+            iov, piece_bytes, piece_first = [], 0, i + 1
     futures = [pieces.submit(os.preadv, fd, v, base + o) for o, v, _a, _b in plan[1:]]
     reads: list[RecordRead | CorruptRecordError | None] = []
     try:
