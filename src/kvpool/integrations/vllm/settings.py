@@ -56,6 +56,7 @@ class ConnectorSettings(BaseModel):
     model_id: Annotated[str | None, BeforeValidator(_none_if_empty)] = Field(None, description="Model identity in the namespace. Default: the served model name.")
     tenant_salt: str = Field("", description="Isolates tenants: different salts never share KV.")
     lookup_timeout_s: float = Field(2.0, gt=0, strict=True, description="How long a scheduler-side lookup waits for the worker; then it is a miss.")
+    prefetch_window_tokens: int | None = Field(None, ge=0, strict=True, description="Read-ahead at lookup time (YRCloudFile's prefetch_window): the first this-many tokens of a prompt's cached prefix that DRAM lacks start moving up from SSD / storage nodes as soon as the scheduler looks the prompt up, so its load finds them in DRAM (a load that comes first waits for that move rather than reading twice). Rounded up to whole chunks; 0 = off. Default: pool.prefetch_window_chunks chunks.")
     stats_path: Annotated[str | None, BeforeValidator(_none_if_empty)] = Field(None, description="The worker writes its counters here as JSON after each step that moved KV (tests and benchmarks; rank r > 0 writes `<path>.tp<r>`).")
 
     _block_size: int = PrivateAttr()

@@ -70,6 +70,9 @@ class WorkerSide:
         self.ident = ident
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pool = KVPool(settings.pool_config(tp_rank, tp_size))
+        window = settings.prefetch_window_tokens
+        self._prefetch_chunks = self.pool.config.pool.prefetch_window_chunks if window is None \
+            else -(-window // settings.chunk_tokens)
         self.ns: Namespace | None = None
         self.server: LookupServer | None = None
         self._kv: dict[str, torch.Tensor] = {}
@@ -112,10 +115,10 @@ class WorkerSide:
 
     def _lookup(self, keys: list[bytes]) -> int:
         assert self.ns is not None and self._saves is not None
-        stored = hits = self.pool.lookup(self.ns, keys)
-        # The load follows within a step or two: start lifting SSD / remote hits into DRAM
-        # now, so the load pins them in place instead of reading them then.
-        self.pool.prefetch(self.ns, keys[:hits])
+        # The load follows within a step or two: the first prefetch_window chunks found only
+        # on SSD / the nodes start moving up into DRAM now (the load waits for that move
+        # rather than reading them a second time).
+        stored = hits = self.pool.lookup(self.ns, keys, prefetch=self._prefetch_chunks)
         while hits < len(keys):  # read-your-writes: chunks handed to the committer count
             more = self._saves.extend_run(keys, hits)
             if not more:
