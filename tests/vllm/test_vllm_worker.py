@@ -103,3 +103,39 @@ def test_a_chunk_handed_to_the_committer_is_found_and_loaded_before_it_is_commit
     finally:
         release.set()
         w.close()
+
+
+@pytest.mark.parametrize(("window", "moved"), [(None, 4), (3 * BLOCK, 2), (0, 0)])
+def test_a_lookup_reads_ahead_prefetch_window_tokens_of_an_ssd_prefix(
+        tmp_path: Path, window: int | None, moved: int) -> None:
+    """After a restart only the SSD holds the prefix; the lookup starts moving the first
+    prefetch_window_tokens of it (rounded up to 2-block chunks; default 16 chunks) up to DRAM."""
+    extra: dict[str, object] = {"chunk_tokens": 2 * BLOCK, "config": {
+        "cache_dir": str(tmp_path), "dram": {"capacity": "8MiB", "slab_size": "1MiB"},
+        "ssd": {"capacity": "8MiB", "segment_size": "1MiB"}}}
+    if window is not None:
+        extra["prefetch_window_tokens"] = window
+    settings = parse_settings(extra, BLOCK)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    kv = caches(0)
+    w = WorkerSide(settings, IDENT, 0, 1, num_blocks=NBLOCKS)
+    try:
+        w.register(kv)
+        store = [ReqTransfer("r", tuple(ChunkCopy((key,), (2 * i, 2 * i + 1))
+                                        for i, key in enumerate(keys)))]
+        for name in sorted(kv):
+            w.save_layer(name, kv[name], store)
+        w.end_step()
+        assert w.flush(10)
+    finally:
+        w.close()
+    w = WorkerSide(settings, IDENT, 0, 1, num_blocks=NBLOCKS)
+    try:
+        w.register(kv)
+        assert w._lookup(keys) == 4
+        assert w.pool.flush(10)
+        stats = w.pool.stats()
+        assert stats["pool"].get("prefetched", 0) == moved
+        assert stats["dram"]["entries"] == moved
+    finally:
+        w.close()
