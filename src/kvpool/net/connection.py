@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from kvpool.buffers import advance, byte_view
 from kvpool.cluster.membership import parse_address
 from kvpool.config import ClusterConfig
@@ -198,18 +200,24 @@ class NodeConnection:
         """Which of ``keys`` this node holds, one answer per key. A node older than EXISTS
         is asked EXISTS_PREFIX instead: its leading run counts as held, every key after it
         as not held (it may under-report, never over-report)."""
+        return self.exists_flags(ns, keys).tolist()  # type: ignore[no-any-return]
+
+    def exists_flags(self, ns: Namespace, keys: Sequence[bytes]) -> np.ndarray:
+        """``exists`` as a bool array (no Python object per key). Raises ProtocolError for
+        an answer that is not one 0/1 flag per key summing to its count."""
         self.declare(ns)
         meta = pack_keys(ns.id, list(keys))
         if self.features is not None and Feature.EXISTS_TOUCH in self.features:
             head, flags = self.call(Op.EXISTS, len(keys), meta)
-            held = parse_flags(flags, len(keys))
-            if head.count != sum(held):
+            held = np.frombuffer(flags, dtype=np.uint8)
+            if held.size != len(keys) or held.max(initial=0) > 1 \
+                    or head.count != int(held.sum()):
                 raise ProtocolError(f"malformed EXISTS answer from {self.address}")
-            return held
+            return held.astype(bool)
         run = self.call(Op.EXISTS_PREFIX, len(keys), meta)[0].count
         if run > len(keys):
             raise ProtocolError("EXISTS_PREFIX answered more keys than asked")
-        return [i < run for i in range(len(keys))]
+        return np.arange(len(keys)) < run
 
     def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Ask the node to count ``keys`` as just read (eviction recency) without moving
