@@ -39,3 +39,27 @@ def test_tiny_remote_bench_reports_every_ratio() -> None:
                     assert f"{op}/{size}/{t}t/{ref}" in ids
     assert len(rows) == len(ids)
     assert data["info"]["redis"]
+
+
+def test_plan_options_pick_sizes_pass_bytes_and_lookups() -> None:
+    import argparse
+
+    from kvpool.bench.remote import _plan_from_args, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def plan(*argv: str) -> RemotePlan:
+        return _plan_from_args(parser.parse_args(list(argv)))
+
+    assert plan() == RemotePlan()
+    steady = plan("--quick", "--sizes", "2MiB", "--pass-bytes", "128MiB", "--repeats", "9",
+                  "--exists-calls", "1000")
+    assert (steady.sizes, steady.pass_bytes, steady.repeats, steady.exists_calls,
+            steady.headline_size, steady.quick) == ((2 << 20,), 128 << 20, 9, 1000, 2 << 20,
+                                                    True)
+    assert plan("--sizes", "256KiB, 16MiB").headline_size == 256 * KiB  # 2MiB not listed
+    for bad in (("--sizes", ""), ("--sizes", "0"), ("--sizes", "lots"), ("--repeats", "0"),
+                ("--pass-bytes", "0"), ("--exists-calls", "0")):
+        with pytest.raises(ValueError):
+            plan(*bad)

@@ -9,7 +9,7 @@ import pytest
 from tests_support import KEYS
 
 from kvpool.keys import Namespace
-from kvpool.net.placement import replicas
+from kvpool.net.placement import check_keys, holders, replicas
 from kvpool.net.protocol import (
     HEADER_BYTES,
     AuthError,
@@ -49,6 +49,13 @@ def test_keys_round_trip_and_length_check() -> None:
         split_keys(meta, 4)
     with pytest.raises(ProtocolError):
         split_keys(meta[:-1], 3)
+
+
+def test_keys_with_nul_bytes_survive_the_split() -> None:
+    """Keys are split by numpy as 16-byte void items: nothing stripped, nothing padded."""
+    keys = [bytes(16), b"\x00" * 15 + b"\x01", b"\x01" + bytes(15), *KEYS[:2]]
+    assert split_keys(pack_keys(bytes(16), keys), len(keys)) == (bytes(16), keys)
+    assert split_keys(pack_keys(bytes(16), []), 0) == (bytes(16), [])
 
 
 def test_get_metadata_may_carry_touch_keys_after_its_count() -> None:
@@ -138,3 +145,30 @@ def test_small_and_large_batches_place_identically() -> None:
     small = [replicas(NODES, [k], 3)[0] for k in keys]  # pure-Python path
     assert len(NODES) * 200 > placement.SMALL_BATCH >= len(NODES)
     assert big == small
+
+
+def test_holders_are_the_nodes_replicas_names_for_each_key() -> None:
+    keys = [os.urandom(16) for _ in range(300)]
+    for count in (1, 2, 3):
+        expected: dict[str, list[int]] = {}
+        for i, nodes in enumerate(replicas(NODES, keys, count)):
+            for node in nodes:
+                expected.setdefault(node, []).append(i)
+        assert holders(NODES, keys, count) == expected
+    # R covering every node: each holds every key (None, no per-key list).
+    assert holders(NODES, keys, len(NODES)) == dict.fromkeys(sorted(NODES))
+    assert holders(NODES[:1], keys, 2) == {NODES[0]: None}
+    assert holders([], keys, 2) == {} and holders(NODES, [], 2) == {}
+
+
+def test_check_keys_refuses_what_is_not_16_bytes() -> None:
+    check_keys(KEYS)
+    check_keys([])
+
+    class Key(bytes):
+        pass
+
+    check_keys([Key(KEYS[0]), KEYS[1]])  # a bytes subclass is a key, as before
+    for bad in ([*KEYS[:2], b"short"], [KEYS[0], bytearray(16)], [KEYS[0] + b"x"]):
+        with pytest.raises(ValueError, match="16 bytes"):
+            check_keys(bad)

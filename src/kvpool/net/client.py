@@ -25,15 +25,17 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
+
 from kvpool.buffers import byte_view
 from kvpool.cluster.etcd_membership import EtcdMembership
 from kvpool.cluster.membership import Membership, StaticMembership
 from kvpool.config import ClusterConfig
 from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError
-from kvpool.keys import KEY_BYTES, Namespace
+from kvpool.keys import Namespace
 from kvpool.net.connection import NodeConnection, NodePool
-from kvpool.net.placement import replicas
+from kvpool.net.placement import check_keys, holders, replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
 from kvpool.net.touch import ReplicaToucher
 
@@ -152,9 +154,7 @@ class ClusterClient:
             self._on_node(node_id, lambda c: c.declare(ns))
 
     def _placement(self, ns: Namespace, keys: Sequence[bytes]) -> list[list[str]]:
-        for key in keys:
-            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-                raise ValueError(f"chunk key must be {KEY_BYTES} bytes")
+        check_keys(keys)
         return replicas(self.live_nodes(), keys, self._replicas.get(ns.id, self.cfg.replicas))
 
     # ------------------------------------------------------------------ reads
@@ -165,23 +165,19 @@ class ClusterClient:
         hides nothing another replica holds. A failed node counts as not holding its keys."""
         if not keys:
             return 0
-        placement = self._placement(ns, keys)
-        per_node: defaultdict[str, list[int]] = defaultdict(list)
-        for i, nodes in enumerate(placement):
-            for node_id in nodes:
-                per_node[node_id].append(i)
-        jobs = {n: _exists_job(ns, [keys[i] for i in idx]) for n, idx in per_node.items()}
-        present = [False] * len(keys)
+        check_keys(keys)
+        keys = list(keys)
+        per_node = holders(self.live_nodes(), keys, self._replicas.get(ns.id, self.cfg.replicas))
+        jobs = {n: _exists_job(ns, keys if idx is None else [keys[i] for i in idx])
+                for n, idx in per_node.items()}
+        present = np.zeros(len(keys), dtype=bool)
         for node_id, held in self._fan_out(jobs).items():
             if held is None:
                 continue
-            for i, hit in zip(per_node[node_id], held, strict=True):
-                present[i] = present[i] or hit
-        n = 0
-        while n < len(keys) and present[n]:
-            n += 1
+            idx = per_node[node_id]
+            present[slice(None) if idx is None else idx] |= held
         self._counters.add("exists_calls")
-        return n
+        return len(keys) if present.all() else int(np.argmin(present))
 
     def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
                       outs: Sequence[Any]) -> list[bool]:
@@ -288,8 +284,8 @@ class ClusterClient:
 
 
 # Jobs are built by functions so each closure captures its own batch.
-def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], list[bool]]:
-    return lambda c: c.exists(ns, keys)
+def _exists_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], np.ndarray]:
+    return lambda c: c.exists_flags(ns, keys)
 
 
 def _replica_touches(keys: Sequence[bytes], placement: list[list[str]]) -> dict[str, list[bytes]]:

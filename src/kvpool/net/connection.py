@@ -3,20 +3,33 @@
 GET answers are received with ``recv_into`` straight into the caller's buffers; PUT payloads
 are sent from the caller's buffers with scatter-gather ``sendmsg``: no staging copies.
 
+The socket is blocking, its timeouts the kernel's (SO_RCVTIMEO / SO_SNDTIMEO, set to
+``request_timeout``), not Python's: a Python socket timeout polls before every ``recv``, and
+under several client threads each extra syscall is one more release and re-acquisition of the
+GIL. Every receive asks for all it expects at once (MSG_WAITALL), so a 2 MiB chunk is one
+syscall however the kernel slices it, and a GET whose every key hit takes its flags and all its
+payload in one scatter ``recvmsg_into`` straight into the caller's buffers.
+
 Failure contract: socket errors, timeouts and bytes that are not a valid answer raise
 (OSError / TimeoutError / ProtocolError) and leave the connection unusable — the pool closes
-it. An error answer from the node raises RemoteError (AuthError for auth and tenant refusals);
-the connection stays usable unless the node closes it.
+it. A node that stops answering (hung, SIGSTOPped) raises TimeoutError after at most
+``request_timeout`` of silence on one send or receive. An error answer from the node raises
+RemoteError (AuthError for auth and tenant refusals); the connection stays usable unless the
+node closes it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import socket
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+import numpy as np
 
 from kvpool.buffers import advance, byte_view
 from kvpool.cluster.membership import parse_address
@@ -51,6 +64,18 @@ def tune_socket(sock: socket.socket,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
+def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking with kernel timeouts of ``seconds`` on each send and receive
+    (at least 1 µs: a zero timeval would mean none). A call that times out with nothing moved
+    raises BlockingIOError; one that moved some bytes returns the short count. Raises OSError
+    if the socket refuses the options."""
+    usec = max(1, math.ceil(seconds * 1e6))
+    timeval = struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.settimeout(None)
+
+
 class NodeConnection:
     """One TCP connection. Not thread-safe: use one per thread (NodePool does)."""
 
@@ -61,7 +86,8 @@ class NodeConnection:
         self.sock = socket.create_connection(parse_address(address), timeout=connect_timeout)
         try:
             tune_socket(self.sock, socket_buffer_bytes)
-            self.sock.settimeout(request_timeout)
+            set_kernel_timeouts(self.sock, request_timeout)
+            self._timeout = request_timeout
             self._req_id = 0
             self._header = memoryview(bytearray(HEADER_BYTES))
             self.declared: set[bytes] = set()
@@ -77,18 +103,37 @@ class NodeConnection:
         self.sock.close()
 
     # ------------------------------------------------------------------ framing
+    def _timed_out(self) -> TimeoutError:
+        return TimeoutError(f"node {self.address} moved nothing for {self._timeout} s")
+
     def _send(self, buffers: list[memoryview]) -> None:
         bufs = [b for b in buffers if b.nbytes]
         while bufs:
-            advance(bufs, self.sock.sendmsg(bufs[:IOV_MAX]))
+            try:
+                sent = self.sock.sendmsg(bufs[:IOV_MAX])
+            except BlockingIOError:
+                raise self._timed_out() from None
+            advance(bufs, sent)
 
     def _recv_exact(self, view: memoryview) -> None:
-        got = 0
-        while got < view.nbytes:
-            n = self.sock.recv_into(view[got:])
+        self._recv_all([view])
+
+    def _recv_all(self, bufs: list[memoryview]) -> None:
+        """Fill every buffer, in order, each receive asking for all that is left (up to
+        IOV_MAX buffers) at once. Raises ConnectionError on EOF, TimeoutError after
+        ``request_timeout`` without a byte."""
+        bufs = [b for b in bufs if b.nbytes]
+        while bufs:
+            try:
+                if len(bufs) == 1:
+                    n = self.sock.recv_into(bufs[0], 0, socket.MSG_WAITALL)
+                else:
+                    n = self.sock.recvmsg_into(bufs[:IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            except BlockingIOError:
+                raise self._timed_out() from None
             if n == 0:
                 raise ConnectionError(f"node {self.address} closed the connection")
-            got += n
+            advance(bufs, n)
 
     def _request(self, op: Op, count: int, meta: bytes,
                  payload: Sequence[memoryview] = ()) -> int:
@@ -98,19 +143,27 @@ class NodeConnection:
         self._send([memoryview(head + meta), *payload])
         return self._req_id
 
-    def _answer(self, op: Op, req_id: int) -> tuple[Header, bytes]:
+    def _head(self, op: Op, req_id: int) -> Header:
         self._recv_exact(self._header)
         head = unpack_header(self._header)
         if head.op != op | RESPONSE_BIT or head.req_id != req_id:
             raise ProtocolError(f"node {self.address} answered op {head.op} id {head.req_id} "
                                 f"to op {int(op)} id {req_id}")
+        return head
+
+    def _meta(self, head: Header) -> bytes:
+        """The answer's metadata; raises RemoteError for an error answer."""
         meta = bytearray(head.meta_len)
         self._recv_exact(memoryview(meta))
         if head.status != Status.OK:
             if head.payload_len:
                 raise ProtocolError("error answer with a payload")
             raise error_for(head.status, meta.decode(errors="replace"))
-        return head, bytes(meta)
+        return bytes(meta)
+
+    def _answer(self, op: Op, req_id: int) -> tuple[Header, bytes]:
+        head = self._head(op, req_id)
+        return head, self._meta(head)
 
     def call(self, op: Op, count: int = 0, meta: bytes = b"",
              payload: Sequence[memoryview] = ()) -> tuple[Header, bytes]:
@@ -147,18 +200,24 @@ class NodeConnection:
         """Which of ``keys`` this node holds, one answer per key. A node older than EXISTS
         is asked EXISTS_PREFIX instead: its leading run counts as held, every key after it
         as not held (it may under-report, never over-report)."""
+        return self.exists_flags(ns, keys).tolist()  # type: ignore[no-any-return]
+
+    def exists_flags(self, ns: Namespace, keys: Sequence[bytes]) -> np.ndarray:
+        """``exists`` as a bool array (no Python object per key). Raises ProtocolError for
+        an answer that is not one 0/1 flag per key summing to its count."""
         self.declare(ns)
         meta = pack_keys(ns.id, list(keys))
         if self.features is not None and Feature.EXISTS_TOUCH in self.features:
             head, flags = self.call(Op.EXISTS, len(keys), meta)
-            held = parse_flags(flags, len(keys))
-            if head.count != sum(held):
+            held = np.frombuffer(flags, dtype=np.uint8)
+            if held.size != len(keys) or held.max(initial=0) > 1 \
+                    or head.count != int(held.sum()):
                 raise ProtocolError(f"malformed EXISTS answer from {self.address}")
-            return held
+            return held.astype(bool)
         run = self.call(Op.EXISTS_PREFIX, len(keys), meta)[0].count
         if run > len(keys):
             raise ProtocolError("EXISTS_PREFIX answered more keys than asked")
-        return [i < run for i in range(len(keys))]
+        return np.arange(len(keys)) < run
 
     def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Ask the node to count ``keys`` as just read (eviction recency) without moving
@@ -178,13 +237,20 @@ class NodeConnection:
         if not (self.features is not None and Feature.GET_TOUCH in self.features):
             touch = ()
         req = self._request(Op.GET, len(keys), pack_keys(ns.id, [*keys, *touch]))
-        head, flags = self._answer(Op.GET, req)
-        found = parse_flags(flags, len(keys))
+        head = self._head(Op.GET, req)
+        if (keys and head.status == Status.OK and head.meta_len == len(keys)
+                and head.payload_len == len(keys) * ns.chunk_bytes):
+            # Every key hit (the answer's size says so): flags and payload in one receive.
+            flags = bytearray(len(keys))
+            self._recv_all([memoryview(flags), *views])
+            found = parse_flags(bytes(flags), len(keys))
+            if not all(found):
+                raise ProtocolError(f"malformed GET answer from {self.address}")
+            return found
+        found = parse_flags(self._meta(head), len(keys))
         if head.payload_len != sum(found) * ns.chunk_bytes:
             raise ProtocolError(f"malformed GET answer from {self.address}")
-        for view, hit in zip(views, found, strict=True):
-            if hit:
-                self._recv_exact(view)
+        self._recv_all([view for view, hit in zip(views, found, strict=True) if hit])
         return found
 
     def put(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:

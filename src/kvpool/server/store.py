@@ -15,7 +15,9 @@ the lower tiers into per-request buffers.
 Nothing here that may block runs on the caller's event loop: lookups, existence probes,
 SSD reads, deletes, invalidations, STATS and durable commits run on ``executor``. Only
 in-memory work stays inline: declaring a namespace, TOUCH (the SSD index is skipped when its
-lock is busy, pool.touch), pinning DRAM slots, and slot reservations that do not wait (an
+lock is busy, pool.touch), the ``*_now`` existence probes the transport asks for when one small
+probe is all the node has in flight (index lookups; no tier holds its lock across IO),
+pinning DRAM slots, and slot reservations that do not wait (an
 eviction they cause demotes to the write-behind queue, which copies and returns: it never
 waits for the SSD). A non-durable commit publishes DRAM slots and stages copies the same way.
 
@@ -64,6 +66,12 @@ def scoped_chunk_key(ns_id: bytes, key: bytes) -> bytes:
     """The key a node files a client's chunk key under: scoped by namespace, so a key
     presented under another tenant's namespace can never reach this one's bytes."""
     return bytes(xxhash.xxh3_128_digest(ns_id + key))
+
+
+def scoped_chunk_keys(ns_id: bytes, keys: Sequence[bytes]) -> list[bytes]:
+    """``scoped_chunk_key`` of each key (one comprehension: a third of the per-key cost)."""
+    digest = xxhash.xxh3_128_digest
+    return [digest(ns_id + key) for key in keys]
 
 
 class Session:
@@ -235,7 +243,7 @@ class NodeStore:
     def _scoped(self, session: Session, ns_id: bytes,
                 keys: Sequence[bytes]) -> tuple[Namespace, list[bytes]]:
         ns = self._namespace_of(session, ns_id)
-        return ns, [scoped_chunk_key(ns_id, k) for k in keys]
+        return ns, scoped_chunk_keys(ns_id, keys)
 
     # ------------------------------------------------------------------ writes
     async def begin_put(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
@@ -249,7 +257,7 @@ class NodeStore:
         if payload_len != len(keys) * ns.chunk_bytes:
             raise ProtocolError(f"PUT payload of {payload_len} bytes is not {len(keys)} "
                                 f"chunks of {ns.chunk_bytes}")
-        scoped = [scoped_chunk_key(ns_id, k) for k in keys]
+        scoped = scoped_chunk_keys(ns_id, keys)
         # Slots are taken on the loop when that cannot block (the probes of what is stored
         # are index lookups; the SSD engine's lock is never held across IO); only a batch
         # that would wait for pinned slots goes to a worker thread.
@@ -313,6 +321,19 @@ class NodeStore:
         result: list[bool] = await self._off_loop(self.pool.contains_many, ns, scoped)
         return result
 
+    def exists_prefix_now(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        """``exists_prefix`` on the calling thread. For the transport's small probes while
+        nothing else is in flight (server.inline_exists_keys): index lookups under the tiers'
+        locks, which are never held across IO, cost less than the hop to a worker and back.
+        Same refusals as exists_prefix."""
+        ns, scoped = self._scoped(session, ns_id, keys)
+        return self.pool.lookup(ns, scoped)
+
+    def exists_now(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
+        """``exists`` on the calling thread (see exists_prefix_now)."""
+        ns, scoped = self._scoped(session, ns_id, keys)
+        return self.pool.contains_many(ns, scoped)
+
     def touch(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
         """TOUCH: count ``keys`` as read; how many a tier holds. In-memory and never waits
         (pool.touch), so done inline."""
@@ -325,7 +346,7 @@ class NodeStore:
         when the answer would exceed server.max_inflight_bytes."""
         ns, scoped = self._scoped(session, ns_id, keys)
         if touch:
-            self.pool.touch(ns, [scoped_chunk_key(ns_id, k) for k in touch])
+            self.pool.touch(ns, scoped_chunk_keys(ns_id, touch))
         if len(keys) * ns.chunk_bytes > self.cfg.max_inflight_bytes:
             raise Refused(Status.TOO_LARGE, f"{len(keys)} chunks of {ns.chunk_bytes} bytes "
                           f"exceed max_inflight_bytes {self.cfg.max_inflight_bytes}; "
