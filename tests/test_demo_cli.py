@@ -86,3 +86,39 @@ def test_no_miss_penalty_without_a_cold_request_or_the_recompute_mode() -> None:
     assert report.miss_penalty(warm) is None
     assert "miss_penalty" not in report.headline_ratios(warm)
     assert report.miss_penalty([_result("kvpool", "a", 0, 1.0)]) is None
+
+
+def test_paired_modes_run_request_by_request(tmp_path: Path) -> None:
+    """run_modes replays request k of every mode before request k+1 of any, the first mode
+    rotating, every store open from the start; results come back grouped by mode, the same
+    tokens in both, and the stores are closed (the scratch directory can be opened again)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from kvpool.demo.runner import Settings, run_modes
+    from kvpool.demo.stores import close_store, make_store
+    from kvpool.demo.workloads import Request, RequestList
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    doc = np.random.default_rng(1).integers(0, 512, 100).tolist()
+    other = np.random.default_rng(2).integers(0, 512, 70).tolist()
+    requests = [Request("doc", "a", doc, 3), Request("doc", "b", [*doc, 5, 6, 7], 3),
+                Request("doc", "c", other, 3)]
+    settings = Settings(chunk_tokens=16, dram_bytes=64 << 20, ssd_bytes=512 << 20)
+    order: list[tuple[str, str]] = []
+    results = run_modes(model, ["recompute", "kvpool"], lambda: [RequestList("doc", requests)],
+                        tmp_path, settings, "tiny", lambda r: order.append((r.mode, r.name)))
+    assert order == [("recompute", "a"), ("kvpool", "a"), ("kvpool", "b"), ("recompute", "b"),
+                     ("recompute", "c"), ("kvpool", "c")]
+    assert [(r.mode, r.name) for r in results] == [
+        ("recompute", "a"), ("recompute", "b"), ("recompute", "c"),
+        ("kvpool", "a"), ("kvpool", "b"), ("kvpool", "c")]
+    assert [r.tokens for r in results[:3]] == [r.tokens for r in results[3:]]
+    assert [r.cached_tokens for r in results[3:]] == [0, 96, 0]
+    store = make_store("kvpool", tmp_path, 1 << 20, 64 << 20, 512 << 20)
+    close_store(store)
