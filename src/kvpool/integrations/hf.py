@@ -89,9 +89,10 @@ def namespace_for(model: Any, chunk_tokens: int = 256, tenant_salt: str = "",
 
 
 def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice`` (Linux: the nice value is per thread).
-    Elsewhere, or where the system refuses, the thread keeps its priority (logged once at
-    debug level): saving then competes with the engine as an equal, nothing else changes."""
+    """Raise the calling thread's nice value by ``nice`` (Linux: the nice value is per thread;
+    0 or less: unchanged). Elsewhere, or where the system refuses, the thread keeps its
+    priority (logged at debug level): saving then competes with the engine as an equal,
+    nothing else changes."""
     if nice <= 0 or not sys.platform.startswith("linux"):
         return
     tid = threading.get_native_id()
@@ -129,10 +130,10 @@ class PrefixCache:
 
     Saving stays off the request that produced the KV: ``generate`` starts the save only once
     the first token is out, so the copies into the store never share the TTFT window, and the
-    saver thread runs at nice ``saver_nice`` (Linux; 0 = the engine's own priority), so while
-    it overlaps decode steps or the next prefill the scheduler gives the engine's threads the
-    cores first. It is never starved: a nice thread still gets its share of a busy core, and
-    a prefill that waits for it (read-your-writes) leaves it the core.
+    saver thread's nice value is the engine thread's plus ``saver_nice`` (Linux; 0: the same
+    priority), so while it overlaps decode steps or the next prefill the scheduler gives the
+    engine's threads the cores first. It is never starved: a nice thread still gets its share
+    of a busy core, and a prefill that waits for it (read-your-writes) leaves it the core.
     """
 
     def __init__(self, model: Any, store: ChunkStore | None, chunk_tokens: int = 256,
