@@ -31,6 +31,7 @@ def test_quick_demo_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert data["ratios"][key] > 0
     assert data["ratios"]["longest_prefix_tokens"] > 0
     assert data["ratios"]["miss_penalty"] > 0 and data["ratios"]["miss_penalty_cold_requests"] > 0
+    assert data["ratios"]["miss_overhead_s"] is not None
     kv = data["modes"]["kvpool"]
     assert kv["hit_rate"] > 0.3 and kv["chunk_hits_by_tier"]["dram"] > 0
     assert data["modes"]["kvpool-ssd"]["chunk_hits_by_tier"]["ssd"] > 0
@@ -59,21 +60,27 @@ def test_trace_replay_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.Monkey
     assert cached[0] == 0 and cached[1] == 2 * data["chunk_tokens"] and cached[2] > cached[1]
 
 
-def _result(mode: str, name: str, cached: int, ttft: float) -> RequestResult:
+def _result(mode: str, name: str, cached: int, ttft: float,
+            outside_forward: float = 0.0) -> RequestResult:
     return RequestResult(mode=mode, workload="doc", name=name, prompt_tokens=1024,
-                         cached_tokens=cached, ttft_s=ttft, total_s=ttft, tokens=[1])
+                         cached_tokens=cached, ttft_s=ttft, total_s=ttft, tokens=[1],
+                         forward_s=ttft - outside_forward)
 
 
 def test_miss_penalty_is_the_median_over_the_cold_requests() -> None:
     # requests a, c, e restore nothing in the kvpool mode (cold); b, d restore their prefix
     rec = [("a", 1.0), ("b", 1.0), ("c", 2.0), ("d", 2.0), ("e", 4.0)]
     kv = [("a", 0, 1.1), ("b", 512, 0.1), ("c", 0, 3.0), ("d", 512, 0.2), ("e", 0, 4.0)]
-    results = ([_result("recompute", n, 0, t) for n, t in rec]
-               + [_result("kvpool", n, c, t) for n, c, t in kv])
+    # time outside the forward: recompute 0.5 ms each, kvpool 2, 1, 3 ms on a, c, e
+    outside = {"a": 0.002, "b": 0.01, "c": 0.001, "d": 0.01, "e": 0.003}
+    results = ([_result("recompute", n, 0, t, 0.0005) for n, t in rec]
+               + [_result("kvpool", n, c, t, outside[n]) for n, c, t in kv])
     assert report.miss_penalty(results) == (pytest.approx(1.1), 3)  # median of 1.1, 1.5, 1.0
+    assert report.miss_overhead_s(results) == pytest.approx(0.0015)  # 1.5, 0.5, 2.5 ms
     ratios = report.headline_ratios(results)
     assert ratios["miss_penalty"] == pytest.approx(1.1)
     assert ratios["miss_penalty_cold_requests"] == 3
+    assert ratios["miss_overhead_s"] == pytest.approx(0.0015)
     console = Console(record=True, width=130)
     report.render(report.summarize(results), ratios, console)
     text = console.export_text()

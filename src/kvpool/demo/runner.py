@@ -45,6 +45,7 @@ class RequestResult:
     tokens: list[int]
     hits: dict[str, int] = field(default_factory=dict)
     load_s: float = 0.0
+    forward_s: float = 0.0  # the prefill's model forward, inside ttft_s
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +102,8 @@ class ModeRun:
                     prompt_tokens=len(request.prompt), cached_tokens=gen.prefill.cached_tokens,
                     ttft_s=gen.ttft_s, total_s=gen.total_s, tokens=gen.tokens,
                     hits={k: after[k] - before.get(k, 0) for k in after},
-                    load_s=gen.prefill.timings.get("load_s", 0.0))
+                    load_s=gen.prefill.timings.get("load_s", 0.0),
+                    forward_s=gen.prefill.timings.get("forward_s", 0.0))
 
     def close(self) -> None:
         try:
