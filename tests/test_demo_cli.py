@@ -31,6 +31,7 @@ def test_quick_demo_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert data["ratios"][key] > 0
     assert data["ratios"]["longest_prefix_tokens"] > 0
     assert data["ratios"]["miss_penalty"] > 0 and data["ratios"]["miss_penalty_cold_requests"] > 0
+    assert data["ratios"]["miss_overhead_s"] is not None
     kv = data["modes"]["kvpool"]
     assert kv["hit_rate"] > 0.3 and kv["chunk_hits_by_tier"]["dram"] > 0
     assert data["modes"]["kvpool-ssd"]["chunk_hits_by_tier"]["ssd"] > 0
@@ -59,21 +60,27 @@ def test_trace_replay_on_a_tiny_model(tmp_path: Path, monkeypatch: pytest.Monkey
     assert cached[0] == 0 and cached[1] == 2 * data["chunk_tokens"] and cached[2] > cached[1]
 
 
-def _result(mode: str, name: str, cached: int, ttft: float) -> RequestResult:
+def _result(mode: str, name: str, cached: int, ttft: float,
+            outside_forward: float = 0.0) -> RequestResult:
     return RequestResult(mode=mode, workload="doc", name=name, prompt_tokens=1024,
-                         cached_tokens=cached, ttft_s=ttft, total_s=ttft, tokens=[1])
+                         cached_tokens=cached, ttft_s=ttft, total_s=ttft, tokens=[1],
+                         forward_s=ttft - outside_forward)
 
 
 def test_miss_penalty_is_the_median_over_the_cold_requests() -> None:
     # requests a, c, e restore nothing in the kvpool mode (cold); b, d restore their prefix
     rec = [("a", 1.0), ("b", 1.0), ("c", 2.0), ("d", 2.0), ("e", 4.0)]
     kv = [("a", 0, 1.1), ("b", 512, 0.1), ("c", 0, 3.0), ("d", 512, 0.2), ("e", 0, 4.0)]
-    results = ([_result("recompute", n, 0, t) for n, t in rec]
-               + [_result("kvpool", n, c, t) for n, c, t in kv])
+    # time outside the forward: recompute 0.5 ms each, kvpool 2, 1, 3 ms on a, c, e
+    outside = {"a": 0.002, "b": 0.01, "c": 0.001, "d": 0.01, "e": 0.003}
+    results = ([_result("recompute", n, 0, t, 0.0005) for n, t in rec]
+               + [_result("kvpool", n, c, t, outside[n]) for n, c, t in kv])
     assert report.miss_penalty(results) == (pytest.approx(1.1), 3)  # median of 1.1, 1.5, 1.0
+    assert report.miss_overhead_s(results) == pytest.approx(0.0015)  # 1.5, 0.5, 2.5 ms
     ratios = report.headline_ratios(results)
     assert ratios["miss_penalty"] == pytest.approx(1.1)
     assert ratios["miss_penalty_cold_requests"] == 3
+    assert ratios["miss_overhead_s"] == pytest.approx(0.0015)
     console = Console(record=True, width=130)
     report.render(report.summarize(results), ratios, console)
     text = console.export_text()
@@ -86,3 +93,39 @@ def test_no_miss_penalty_without_a_cold_request_or_the_recompute_mode() -> None:
     assert report.miss_penalty(warm) is None
     assert "miss_penalty" not in report.headline_ratios(warm)
     assert report.miss_penalty([_result("kvpool", "a", 0, 1.0)]) is None
+
+
+def test_paired_modes_run_request_by_request(tmp_path: Path) -> None:
+    """run_modes replays request k of every mode before request k+1 of any, the first mode
+    rotating, every store open from the start; results come back grouped by mode, the same
+    tokens in both, and the stores are closed (the scratch directory can be opened again)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from kvpool.demo.runner import Settings, run_modes
+    from kvpool.demo.stores import close_store, make_store
+    from kvpool.demo.workloads import Request, RequestList
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    doc = np.random.default_rng(1).integers(0, 512, 100).tolist()
+    other = np.random.default_rng(2).integers(0, 512, 70).tolist()
+    requests = [Request("doc", "a", doc, 3), Request("doc", "b", [*doc, 5, 6, 7], 3),
+                Request("doc", "c", other, 3)]
+    settings = Settings(chunk_tokens=16, dram_bytes=64 << 20, ssd_bytes=512 << 20)
+    order: list[tuple[str, str]] = []
+    results = run_modes(model, ["recompute", "kvpool"], lambda: [RequestList("doc", requests)],
+                        tmp_path, settings, "tiny", lambda r: order.append((r.mode, r.name)))
+    assert order == [("recompute", "a"), ("kvpool", "a"), ("kvpool", "b"), ("recompute", "b"),
+                     ("recompute", "c"), ("kvpool", "c")]
+    assert [(r.mode, r.name) for r in results] == [
+        ("recompute", "a"), ("recompute", "b"), ("recompute", "c"),
+        ("kvpool", "a"), ("kvpool", "b"), ("kvpool", "c")]
+    assert [r.tokens for r in results[:3]] == [r.tokens for r in results[3:]]
+    assert [r.cached_tokens for r in results[3:]] == [0, 96, 0]
+    store = make_store("kvpool", tmp_path, 1 << 20, 64 << 20, 512 << 20)
+    close_store(store)

@@ -3,6 +3,8 @@ tokens of a full prefill, in every store; a broken chunk must cost a recompute, 
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -279,4 +281,37 @@ def test_the_next_request_waits_for_a_running_save_of_its_prefix(model: Any, tmp
         expected_cached = 6 * CHUNK_TOKENS if wait_s > 0.5 else 0
         assert second.prefill.cached_tokens == expected_cached
         timer.join()
+        pc.close()
+
+
+class SaverPriority(StoreWrapper):
+    """Records the nice value of the thread that reserves slots (the saver)."""
+
+    def __init__(self, inner: KVPool) -> None:
+        super().__init__(inner)
+        self.nice: list[int] = []
+
+    def reserve(self, ns: Namespace, key: bytes, wait: bool = True) -> Any:
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return self.inner.reserve(ns, key, wait)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("saver_nice", [10, 0])
+def test_the_saver_yields_to_the_engine(model: Any, tmp_path: Path, saver_nice: int) -> None:
+    """The saver thread runs at nice ``saver_nice`` above the engine's thread (0: the same);
+    every chunk is still saved, and the next request restores them."""
+    ids = prompt(200)
+    engine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with pool_at(tmp_path) as pool:
+        store = SaverPriority(pool)
+        pc = PrefixCache(model, store, CHUNK_TOKENS, saver_nice=saver_nice)
+        first = pc.generate(ids, 6)
+        pc.flush()
+        assert pc.saved_chunks == 6 and pc.dropped_saves == 0
+        assert store.nice and set(store.nice) == {min(19, engine + saver_nice)}
+        second = pc.generate(ids, 6)
+        assert second.prefill.cached_tokens == 6 * CHUNK_TOKENS
+        assert second.tokens == first.tokens
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == engine
         pc.close()

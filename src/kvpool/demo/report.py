@@ -53,24 +53,40 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
 MISS_PENALTY_TARGET = "<= 1.05"
 
 
+def _cold_pairs(results: Sequence[RequestResult]) -> list[tuple[RequestResult, RequestResult]]:
+    """(kvpool, recompute) results of the requests the kvpool mode restored nothing for."""
+    modes = by_mode(results)
+    kv, rec = modes.get("kvpool"), modes.get("recompute")
+    if not kv or not rec:
+        return []
+    return [(k, r) for k, r in zip(kv, rec, strict=False) if k.cached_tokens == 0]
+
+
 def miss_penalty(results: Sequence[RequestResult]) -> tuple[float, int] | None:
     """(median over the cold requests of kvpool TTFT / recompute TTFT of the same request,
     number of cold requests). Cold: nothing restored in the kvpool mode (``cached_tokens`` 0),
     so the ratio is what storing the KV costs the request that produced it (> 1 = slower than
     no cache). None when either mode is missing or no request was cold."""
-    modes = by_mode(results)
-    kv, rec = modes.get("kvpool"), modes.get("recompute")
-    if not kv or not rec:
-        return None
-    cold = [k.ttft_s / r.ttft_s for k, r in zip(kv, rec, strict=False) if k.cached_tokens == 0]
+    cold = [k.ttft_s / r.ttft_s for k, r in _cold_pairs(results)]
     return (float(np.median(cold)), len(cold)) if cold else None
+
+
+def miss_overhead_s(results: Sequence[RequestResult]) -> float | None:
+    """Median over the cold requests of what the kvpool mode spends before the first token
+    outside the model forward, minus what recompute spends there (seconds): hashing the chunk
+    chain, the lookup, handing off the save. The forward is the same computation in both
+    modes, so this part of ``miss_penalty`` is kvpool's own, whatever load the rest of the
+    machine puts on the forward. None where ``miss_penalty`` is None."""
+    cold = [(k.ttft_s - k.forward_s) - (r.ttft_s - r.forward_s) for k, r in _cold_pairs(results)]
+    return float(np.median(cold)) if cold else None
 
 
 def headline_ratios(results: Sequence[RequestResult]) -> dict[str, Any]:
     """Ratios at the request with the longest restored prefix in the kvpool mode (the same
     request index in every mode): recompute TTFT / mode TTFT, and file-per-chunk TTFT / kvpool
     TTFT (> 1 = kvpool faster); and ``miss_penalty`` over the cold requests (see
-    ``miss_penalty``; < 1 = kvpool faster), with ``miss_penalty_cold_requests``."""
+    ``miss_penalty``; < 1 = kvpool faster), with ``miss_penalty_cold_requests`` and
+    ``miss_overhead_s`` (see ``miss_overhead_s``)."""
     modes = by_mode(results)
     kv = modes.get("kvpool")
     if not kv or "recompute" not in modes:
@@ -97,6 +113,7 @@ def headline_ratios(results: Sequence[RequestResult]) -> dict[str, Any]:
     penalty = miss_penalty(results)
     if penalty is not None:
         out["miss_penalty"], out["miss_penalty_cold_requests"] = penalty
+        out["miss_overhead_s"] = miss_overhead_s(results)
     return out
 
 
@@ -129,6 +146,8 @@ def render(summary: dict[str, dict[str, Any]], ratios: dict[str, Any], console: 
                           "median:")
             console.print(f"  {'miss_penalty':30s} {ratios['miss_penalty']:6.2f}x "
                           f"(target {MISS_PENALTY_TARGET})")
+            console.print(f"  {'miss_overhead_s':30s} {ratios['miss_overhead_s'] * 1e3:6.1f} ms "
+                          "(kvpool's own time before the first token, outside the forward)")
 
 
 def chart(results: Sequence[RequestResult], path: Path) -> Path:

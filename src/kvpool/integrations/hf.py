@@ -14,6 +14,8 @@ generated tokens are the model's own either way.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 import warnings
@@ -86,6 +88,20 @@ def namespace_for(model: Any, chunk_tokens: int = 256, tenant_salt: str = "",
     return Namespace(model=name, layout=layout, revision=revision, tenant_salt=tenant_salt)
 
 
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux: the nice value is per thread;
+    0 or less: unchanged). Elsewhere, or where the system refuses, the thread keeps its
+    priority (logged at debug level): saving then competes with the engine as an equal,
+    nothing else changes."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:
+        log.debug("kvpool: saver thread keeps its priority: %s", exc)
+
+
 @dataclass
 class Prefill:
     """Result of one prefill: last-position logits, the filled cache and where time went."""
@@ -111,11 +127,18 @@ class PrefixCache:
     ``store=None`` is plain recompute (the baseline), with the same code path otherwise.
     ``save_wait_s``: how long a prefill waits for a still-running save of chunks it shares
     before it recomputes them instead (read-your-writes).
+
+    Saving stays off the request that produced the KV: ``generate`` starts the save only once
+    the first token is out, so the copies into the store never share the TTFT window, and the
+    saver thread's nice value is the engine thread's plus ``saver_nice`` (Linux; 0: the same
+    priority), so while it overlaps decode steps or the next prefill the scheduler gives the
+    engine's threads the cores first. It is never starved: a nice thread still gets its share
+    of a busy core, and a prefill that waits for it (read-your-writes) leaves it the core.
     """
 
     def __init__(self, model: Any, store: ChunkStore | None, chunk_tokens: int = 256,
                  tenant_salt: str = "", model_id: str | None = None,
-                 save_wait_s: float = 2.0) -> None:
+                 save_wait_s: float = 2.0, saver_nice: int = 10) -> None:
         self.model = model
         self.store = store
         self.save_wait_s = save_wait_s
@@ -126,7 +149,8 @@ class PrefixCache:
         _attention_layers(DynamicCache(config=model.config))  # fail now, not mid-request
         self._staging: torch.Tensor | None = None
         self._restored: torch.Tensor | None = None
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hf-save")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hf-save",
+                                         initializer=_lower_priority, initargs=(saver_nice,))
         self._pending: list[tuple[Future[int], frozenset[bytes]]] = []  # saves and their keys
         self._lock = threading.Lock()
         self.saved_chunks = 0
@@ -279,6 +303,13 @@ class PrefixCache:
     @torch.inference_mode()
     def prefill(self, input_ids: Sequence[int]) -> Prefill:
         """Restore what the store has, compute the rest, start saving new chunks."""
+        pre, keys, restored = self._prefill(input_ids)
+        self.save_async(pre.cache, keys, restored)
+        return pre
+
+    def _prefill(self, input_ids: Sequence[int]) -> tuple[Prefill, list[bytes], int]:
+        """``prefill`` without the save: (result, the prompt's chunk keys, chunks restored);
+        the caller starts the save of chunks ``restored..`` (``save_async``)."""
         ids = list(input_ids)
         if not ids:
             raise ValueError("empty prompt")
@@ -299,19 +330,21 @@ class PrefixCache:
         out = self.model(input_ids=suffix, cache=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1]
         t3 = time.perf_counter()
-        self.save_async(out.cache, keys, restored)
-        return Prefill(logits=logits, cache=out.cache, prompt_tokens=len(ids),
-                       cached_tokens=cached,
-                       timings={"lookup_s": t1 - t0, "load_s": t2 - t1, "forward_s": t3 - t2})
+        pre = Prefill(logits=logits, cache=out.cache, prompt_tokens=len(ids),
+                      cached_tokens=cached,
+                      timings={"lookup_s": t1 - t0, "load_s": t2 - t1, "forward_s": t3 - t2})
+        return pre, keys, restored
 
     @torch.inference_mode()
     def generate(self, input_ids: Sequence[int], max_new_tokens: int,
                  eos_token_id: int | None = None) -> Generation:
-        """Greedy decoding; ``ttft_s`` is the time to the first generated token."""
+        """Greedy decoding; ``ttft_s`` is the time to the first generated token. The new
+        chunks' save starts right after that token, before the first decode step."""
         start = time.perf_counter()
-        pre = self.prefill(input_ids)
+        pre, keys, restored = self._prefill(input_ids)
         token = int(torch.argmax(pre.logits))
         ttft = time.perf_counter() - start
+        self.save_async(pre.cache, keys, restored)
         tokens = [token]
         cache = pre.cache
         while len(tokens) < max_new_tokens and token != eos_token_id:
