@@ -14,8 +14,6 @@ generated tokens are the model's own either way.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 import warnings
@@ -31,6 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import KVLayout, Namespace
+from kvpool.priority import lower_thread_priority
 
 log = logging.getLogger("kvpool.integrations.hf")
 
@@ -88,20 +87,6 @@ def namespace_for(model: Any, chunk_tokens: int = 256, tenant_salt: str = "",
     return Namespace(model=name, layout=layout, revision=revision, tenant_salt=tenant_salt)
 
 
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice`` (Linux: the nice value is per thread;
-    0 or less: unchanged). Elsewhere, or where the system refuses, the thread keeps its
-    priority (logged at debug level): saving then competes with the engine as an equal,
-    nothing else changes."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as exc:
-        log.debug("kvpool: saver thread keeps its priority: %s", exc)
-
-
 @dataclass
 class Prefill:
     """Result of one prefill: last-position logits, the filled cache and where time went."""
@@ -150,7 +135,7 @@ class PrefixCache:
         self._staging: torch.Tensor | None = None
         self._restored: torch.Tensor | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hf-save",
-                                         initializer=_lower_priority, initargs=(saver_nice,))
+                                         initializer=lower_thread_priority, initargs=(saver_nice,))
         self._pending: list[tuple[Future[int], frozenset[bytes]]] = []  # saves and their keys
         self._lock = threading.Lock()
         self.saved_chunks = 0

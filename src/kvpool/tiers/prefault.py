@@ -14,15 +14,15 @@ Nothing here can change an arena's contents.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import errno
 import logging
 import mmap
-import os
 import sys
 import threading
+
+from kvpool.priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +53,6 @@ def populate(address: int, nbytes: int) -> bool:
     log.info("kvpool: MADV_POPULATE_WRITE refused (%s); DRAM pages fault on first write",
              errno.errorcode.get(err, err))
     return False
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice`` (Linux: per thread), so that the
-    engine's threads get the cores first; a no-op elsewhere or when not permitted."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):  # not permitted: stay at the engine's priority
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 class BackgroundPopulate:
