@@ -154,6 +154,7 @@ class PoolConfig(_Section):
     """The embedded pool that composes the tiers."""
 
     ssd_write: Literal["evict", "through"] = Field("through", description="through: every put is also written to SSD, so a restart keeps it: through the write-behind queue in cache mode (a kill -9 may lose what is still queued, typically milliseconds of saves), synchronously with ssd.durability: durable. evict: only DRAM victims (as ssd.admission allows) are demoted to SSD, and close writes what only DRAM holds (pool.close_drain_s); a kill loses every DRAM-only chunk.")
+    background_nice: int = Field(10, ge=0, le=19, description="Nice value added to the pool's background threads (the SSD and cluster write-behind queues, the mover's prefetches and promotions; Linux, per thread), so an engine's own threads get the cores first; such a thread still gets its share of a core, so its work completes, later under full load (a queue that fills meanwhile drops saves, counted). 0: equal priority.")
     close_drain_s: float = Field(10.0, ge=0, description="With ssd_write: evict, how long close may spend writing the chunks only DRAM holds to the SSD (oldest first); what is left is lost, with a warning. 0: write nothing.")
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
     write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")

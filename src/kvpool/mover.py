@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvpool.counters import Counters
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
+from kvpool.priority import lower_thread_priority
 from kvpool.tiers.base import Tier, read_tiers
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.slots import SlotReservation
@@ -40,8 +41,9 @@ class Mover:
     that asked for it was counted already)."""
 
     def __init__(self, front: DramTier, lower: Sequence[Tier], counters: Counters,
-                 max_pending: int, batch: int) -> None:
+                 max_pending: int, batch: int, nice: int = 0) -> None:
         self._front = front
+        self._nice = nice
         self._lower = list(lower)
         self._counters = counters
         self._max_pending = max_pending
@@ -72,7 +74,9 @@ class Mover:
                 return None
             self._pending += 1
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-mover")
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-mover",
+                                                    initializer=lower_thread_priority,
+                                                    initargs=(self._nice,))
             return self._executor.submit(self._job, ns, todo, counter, count_hits)
 
     def _job(self, ns: Namespace, keys: list[bytes], counter: str, count_hits: bool) -> int:

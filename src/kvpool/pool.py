@@ -91,7 +91,8 @@ class KVPool:
         if self._front is not None and len(self._tiers) > 1:
             self._mover = Mover(self._front, self._stack.lower(), self._counters,
                                 self.config.pool.prefetch_max_pending,
-                                self.config.pool.prefetch_batch)
+                                self.config.pool.prefetch_batch,
+                                self.config.pool.background_nice)
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
 

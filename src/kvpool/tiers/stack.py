@@ -129,7 +129,8 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
         if cfg.ssd.enabled:
             ssd = SsdTier(SsdEngine.from_config(cfg))
             ssd_staging = WriteBehind(ssd.engine, cfg.pool.write_behind_bytes,
-                                      cfg.pool.write_behind_batch)
+                                      cfg.pool.write_behind_batch,
+                                      nice=cfg.pool.background_nice)
             stack.tiers[:0] = [ssd_staging, ssd]
             if cfg.pool.ssd_write == "through" or cfg.dram.capacity == 0:
                 durable = cfg.ssd.durability == "durable"
@@ -143,7 +144,8 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
             stack.tiers.append(nodes)
             staging = WriteBehind(nodes.client, cfg.cluster.write_behind_bytes,
                                   cfg.pool.write_behind_batch, label="cluster",
-                                  stats_key=("remote", "write_behind"))
+                                  stats_key=("remote", "write_behind"),
+                                  nice=cfg.pool.background_nice)
             stack.tiers.insert(1 if ssd_staging is not None else 0, staging)
             stack.through.append(staging)
         if cfg.dram.capacity > 0:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from kvpool.buffers import byte_view
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
+from kvpool.priority import lower_thread_priority
 from kvpool.ssd.directio import aligned_buffer
 from kvpool.tiers.base import Item, local_lookup
 
@@ -45,8 +46,10 @@ class WriteBehind:
     name: str = "staged"
 
     def __init__(self, sink: BatchSink, max_bytes: int, batch: int = 16,
-                 label: str = "ssd", stats_key: tuple[str, ...] = ("write_behind",)) -> None:
+                 label: str = "ssd", stats_key: tuple[str, ...] = ("write_behind",),
+                 nice: int = 0) -> None:
         self._sink = sink
+        self._nice = nice
         self._name = label
         self.stats_key = stats_key
         self._max_bytes = max_bytes
@@ -171,6 +174,7 @@ class WriteBehind:
                 self._spare[len(staged.buffer)].append(staged.buffer)
 
     def _run(self) -> None:
+        lower_thread_priority(self._nice)  # the engine's threads get the cores first
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
