@@ -5,6 +5,7 @@ printed from a fabricated result."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,27 @@ def test_report_prints_every_ratio_with_its_target(capsys: pytest.CaptureFixture
     for name in bench.CONTEXT:
         assert f"{name}: " in out and "(no target: " in out
     assert "pooled" in out and "first request of a fresh engine" in out
+
+
+def test_an_engine_bench_command_writes_json_or_says_why_it_failed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.bench.stats import BenchFailure, run_in_work_dir
+
+    seen: list[Path] = []
+
+    def ok(work: Path) -> dict[str, Any]:
+        seen.append(work)
+        return {"ratios": {"x": 1.0}}
+
+    def failing(work: Path) -> dict[str, Any]:
+        seen.append(work)
+        raise BenchFailure("no vLLM venv")
+
+    out = tmp_path / "r" / "report.json"
+    assert run_in_work_dir("vllm", None, str(out), ok, lambda r: print("shown", r)) == 0
+    assert json.loads(out.read_text()) == {"ratios": {"x": 1.0}}
+    assert "shown" in capsys.readouterr().out and not seen[0].exists()  # temp dir removed
+    (tmp_path / "w").mkdir()
+    assert run_in_work_dir("serve", str(tmp_path / "w"), None, failing, print) == 2
+    assert "kvpool bench serve: no vLLM venv" in capsys.readouterr().err
+    assert seen[1] == tmp_path / "w" and seen[1].exists()  # a given work dir is kept

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.stats import BenchFailure
+from kvpool.bench.stats import BenchFailure, run_in_work_dir
 from kvpool.bench.vllm import vllm_python
 
 START_TIMEOUT_S = 600.0
@@ -317,17 +317,5 @@ def _print(report: dict[str, Any]) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of ``kvpool bench serve``; 0 on success, 2 when the bench cannot run."""
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvb-serve-"))
-    try:
-        report = run_serve_bench(args.quick, work)
-    except BenchFailure as exc:
-        print(f"kvpool bench serve: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
-    _print(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    return run_in_work_dir("serve", args.work_dir, args.json,
+                           lambda work: run_serve_bench(args.quick, work), _print)

@@ -11,11 +11,16 @@ Every figure is shown beside a reference measured in the same run, with the rati
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +34,28 @@ Op = Callable[[int, int], bool]
 
 class BenchFailure(RuntimeError):
     """A benchmarked operation failed or returned wrong bytes; its figures would be meaningless."""
+
+
+def run_in_work_dir(suite: str, work_dir: str | None, json_path: str | None,
+                    run: Callable[[Path], dict[str, Any]],
+                    show: Callable[[dict[str, Any]], None]) -> int:
+    """The body of an engine bench's command: ``run(work)`` in ``work_dir`` (default: a temp
+    dir, removed after), ``show`` the report, write it as JSON to ``json_path`` if given.
+    Returns 0, or 2 after printing a BenchFailure (``kvpool bench <suite>: ...``)."""
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix=f"kvb-{suite}-"))
+    try:
+        report = run(work)
+    except BenchFailure as exc:
+        print(f"kvpool bench {suite}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if not work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    show(report)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
 
 
 @dataclass

@@ -39,16 +39,14 @@ import json
 import math
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvpool.bench.stats import BenchFailure
+from kvpool.bench.stats import BenchFailure, run_in_work_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 FULL_LENGTHS = (1024, 2048, 4096, 6144)
@@ -230,20 +228,8 @@ def _print(report: dict[str, Any]) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of ``kvpool bench vllm``; 0 on success, 2 when the bench cannot run."""
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvb-vllm-"))
-    try:
-        report = run_vllm_bench(args.quick, args.repeats, work)
-    except BenchFailure as exc:
-        print(f"kvpool bench vllm: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
-    _print(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    return run_in_work_dir("vllm", args.work_dir, args.json,
+                           lambda work: run_vllm_bench(args.quick, args.repeats, work), _print)
 
 
 def main(argv: list[str] | None = None) -> int:
