@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.stats import BenchFailure, run_in_work_dir
-from kvpool.bench.vllm import vllm_python
+from kvpool.bench.vllm import same_cores_for_every_mode, vllm_python
 
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
@@ -100,6 +100,7 @@ class Server:
         self.log_path = run_dir / "server.log"
         full_env = dict(os.environ)
         full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", same_cores_for_every_mode())
         full_env.update({"HF_HUB_OFFLINE": "1", "VLLM_RPC_BASE_PATH": self._rpc})
         full_env.update(env or {})
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,

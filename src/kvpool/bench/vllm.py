@@ -75,6 +75,15 @@ def vllm_python() -> str:
     return str(venv)
 
 
+def same_cores_for_every_mode() -> str:
+    """vLLM's CPU worker binds its threads to the cores it does not reserve, and it reserves
+    one more core when a KV connector is configured: on a 2-core box an engine without a
+    connector computes on one core, one with a connector on both (the reservation no longer
+    fits). Every mode of a bench gets this explicit binding, all cores, so that no mode
+    computes on more cores than another."""
+    return f"0-{(os.cpu_count() or 1) - 1}"
+
+
 def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
@@ -84,6 +93,7 @@ def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, 
     (run_dir / "rpc").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", same_cores_for_every_mode())
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_RPC_BASE_PATH": str(run_dir / "rpc"),
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"})
     (run_dir / "spec.json").write_text(json.dumps(spec))
