@@ -62,4 +62,4 @@ def test_closing_while_populating_stops_the_thread() -> None:
 def test_the_config_takes_modes_and_the_old_booleans(tmp_path: Path, given: object,
                                                      mode: str) -> None:
     assert small_config(tmp_path, dram={"prefault": given}).dram.prefault == mode
-    assert small_config(tmp_path).dram.prefault == "none"
+    assert small_config(tmp_path).dram.prefault == "start"
