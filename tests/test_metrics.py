@@ -188,3 +188,9 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
             assert name.endswith("_seconds"), name
         assert not {"key", "request", "namespace", "req_id"} & set(spec.labels), name
     assert len(all_metric_names()) == len(METRICS)
+
+
+def test_docs_list_every_metric() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    missing = [name for name in METRICS if f"`{name}`" not in doc]
+    assert not missing, f"docs/operations.md lacks {missing}"
