@@ -194,3 +194,34 @@ def test_docs_list_every_metric() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     missing = [name for name in METRICS if f"`{name}`" not in doc]
     assert not missing, f"docs/operations.md lacks {missing}"
+
+
+def test_latency_shards_of_many_threads_add_up_exactly() -> None:
+    """Each thread records into its own shard; a scrape sums them, including the shards of
+    threads that ended (folded in once, never counted twice)."""
+    import threading
+
+    from kvpool.metrics.recorder import OpLatency
+    latency = OpLatency(["dram", "ssd"])
+    start = threading.Barrier(8)
+
+    def work() -> None:
+        start.wait()
+        for _ in range(1000):
+            latency.record("get", 1e-4, [5e-5, 2e-2])
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads[:4]:
+        t.join()
+    latency.snapshot()  # folds the ended threads' shards while the others still write
+    for t in threads[4:]:
+        t.join()
+    for _ in range(2):  # a second scrape changes nothing
+        ops, tiers = latency.snapshot()
+        counts, total = ops[("get",)]
+        assert sum(counts) == 8000 and total == pytest.approx(8000 * 1e-4)
+        assert sum(tiers[("dram", "get")][0]) == 8000
+        assert sum(tiers[("ssd", "get")][0]) == 8000
+        assert ("dram", "put") not in tiers

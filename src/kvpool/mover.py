@@ -154,7 +154,10 @@ class Mover:
                     slots[key] = slot
             claimed = self._claim(list(slots), done, others)
             views = [slots[key].view for key in claimed]
-            served = read_tiers(self._lower, ns, claimed, views, add)
+            counts: dict[str, int] | None = {} if add is not None else None
+            served = read_tiers(self._lower, ns, claimed, views, counts)
+            if add is not None and counts:
+                add(counts)
             moved = 0
             with self._publish:  # no removal runs between the check and the publish
                 if self._epoch == epoch:

@@ -212,7 +212,7 @@ class KVPool:
             now = perf_counter()
             if front is not None:
                 timings.append((0, now - front_started))
-            self._latency.record("put", now - started, timings)
+            self._latency.record_at("put", now - started, timings)
         return sum(acked if self.durable_puts else held)
 
     def reserve(self, ns: Namespace, key: bytes,
@@ -275,11 +275,14 @@ class KVPool:
         for view in views:
             check_size(ns, view, "output buffer")
         started = perf_counter()
-        timings: list[tuple[int, float]] | None = [] if self._latency is not None else None
-        served = read_tiers(self._tiers, ns, keys, views, self._counters.add_many, timings)
+        timings: list[float] | None = [] if self._latency is not None else None
+        counts: dict[str, int] = {}
+        served = read_tiers(self._tiers, ns, keys, views, counts, timings)
         misses = served.count(-1)
-        self._counters.add_many({"misses": misses,
-                                 "miss_tokens": misses * ns.layout.chunk_tokens})
+        if misses:
+            counts["misses"] = misses
+            counts["miss_tokens"] = misses * ns.layout.chunk_tokens
+        self._counters.add_many(counts)
         if self._mover is not None and self.config.pool.promote_on_hit:
             below = [k for k, tier in zip(keys, served, strict=True) if tier > 0]
             if below:
@@ -357,14 +360,14 @@ class KVPool:
             raise ValueError(f"prefetch must be >= 0 chunks, got {prefetch}")
         self._registered(ns, keys)
         started = perf_counter()
-        timings: list[tuple[int, float]] = []
+        timings: list[float] = []  # entry i: tier i (asked in order from the first)
         n = len(self._held_locally(ns.id, keys, stop_at_miss=True))
-        for index, tier in enumerate(self._tiers):
+        for tier in self._tiers:
             if n == len(keys):
                 break
             tier_started = perf_counter()
             n += tier.lookup(ns, keys[n:])
-            timings.append((index, perf_counter() - tier_started))
+            timings.append(perf_counter() - tier_started)
         self._counters.add_many({"lookups": 1, "lookup_hit_chunks": n})
         if self._latency is not None:
             self._latency.record("lookup", perf_counter() - started, timings)

@@ -21,8 +21,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 
 class LatencyHistogram:
-    """Bucket counts and a sum. Not thread-safe by itself: its owner holds a lock around
-    ``observe`` and ``snapshot``."""
+    """Bucket counts and a sum. Not thread-safe by itself: one thread writes it (or its
+    owner holds a lock around ``observe``)."""
 
     __slots__ = ("counts", "total")
 
@@ -37,6 +37,13 @@ class LatencyHistogram:
 
     def snapshot(self) -> tuple[list[int], float]:
         return list(self.counts), self.total
+
+    def add(self, other: LatencyHistogram) -> None:
+        """Add ``other``'s observations (a copy of its counts is taken first: its owner may
+        be writing them)."""
+        counts, total = other.snapshot()
+        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
+        self.total += total
 
 
 def histogram_family(name: str, help_text: str, labels: Sequence[str],

@@ -105,13 +105,26 @@ def local_lookup(contains_many: Callable[[Sequence[bytes], bytes], list[bool]],
     return leading_run(contains_many(keys, namespace_id))
 
 
+_HIT_COUNTS: dict[str, tuple[str, str, str]] = {}
+
+
+def hit_counts(tier_name: str) -> tuple[str, str, str]:
+    """The pool's counter names for reads a tier served: hits, bytes, tokens."""
+    names = _HIT_COUNTS.get(tier_name)
+    if names is None:
+        names = _HIT_COUNTS[tier_name] = (f"{tier_name}_hits", f"{tier_name}_hit_bytes",
+                                          f"{tier_name}_hit_tokens")
+    return names
+
+
 def read_tiers(tiers: Sequence[Tier], ns: Namespace, keys: Sequence[bytes],
-               outs: Sequence[memoryview], add: Callable[[dict[str, int]], None] | None,
-               timings: list[tuple[int, float]] | None = None) -> list[int]:
+               outs: Sequence[memoryview], counts: dict[str, int] | None,
+               timings: list[float] | None = None) -> list[int]:
     """Read each key from the first tier (in order) that has it. Returns, per key, the index
-    of the tier that served it, or -1 for a miss. Counts ``<tier>_hits``, ``_hit_bytes`` and
-    ``_hit_tokens`` through ``add`` (once per tier and batch; None: not counted). With
-    ``timings``, appends (tier index, seconds) for every tier asked."""
+    of the tier that served it, or -1 for a miss. Adds the hits, bytes and tokens each tier
+    served to ``counts`` (``hit_counts`` names them; None: not counted). With ``timings``,
+    appends the seconds of every tier asked: tiers are asked in order from the first, so
+    entry i is tier i's."""
     served = [-1] * len(keys)
     pending = list(range(len(keys)))
     for index, tier in enumerate(tiers):
@@ -120,7 +133,7 @@ def read_tiers(tiers: Sequence[Tier], ns: Namespace, keys: Sequence[bytes],
         started = perf_counter() if timings is not None else 0.0
         got = tier.get_many_into(ns, [keys[i] for i in pending], [outs[i] for i in pending])
         if timings is not None:
-            timings.append((index, perf_counter() - started))
+            timings.append(perf_counter() - started)
         still = []
         for i, hit in zip(pending, got, strict=True):
             if hit:
@@ -128,8 +141,10 @@ def read_tiers(tiers: Sequence[Tier], ns: Namespace, keys: Sequence[bytes],
             else:
                 still.append(i)
         hits = len(pending) - len(still)
-        if hits and add is not None:
-            add({f"{tier.name}_hits": hits, f"{tier.name}_hit_bytes": hits * ns.chunk_bytes,
-                 f"{tier.name}_hit_tokens": hits * ns.layout.chunk_tokens})
+        if hits and counts is not None:
+            chunks, nbytes, tokens = hit_counts(tier.name)
+            counts[chunks] = counts.get(chunks, 0) + hits
+            counts[nbytes] = counts.get(nbytes, 0) + hits * ns.chunk_bytes
+            counts[tokens] = counts.get(tokens, 0) + hits * ns.layout.chunk_tokens
         pending = still
     return served
