@@ -57,7 +57,7 @@ class OpLatency:
             hist = tiers[i]
             hist.counts[bisect_left(LATENCY_BUCKETS, tier_seconds)] += 1
             hist.total += tier_seconds
-            i += 1
+            i += 1  # noqa: SIM113 (enumerate costs like zip here)
 
     def record_at(self, op: str, seconds: float, timings: Sequence[tuple[int, float]]) -> None:
         """``record`` for a call that asked some tiers only: (tier index, seconds) each."""
