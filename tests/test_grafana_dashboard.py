@@ -1,0 +1,139 @@
+"""deploy/grafana/kvpool.json: a valid dashboard on a ``${DS_PROMETHEUS}`` data source variable,
+whose every PromQL expression parses (promtool) and queries only metrics kvpool exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy" / "grafana" / "kvpool.json"
+DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
+_MATCHERS = re.compile(r"\{[^}]*\}")
+_RANGES = re.compile(r"\[[^\]]*\]")
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_IDENT = re.compile(r"(?<![\w$.:])[A-Za-z_:][A-Za-z0-9_:]*")
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
+             "and", "or", "unless", "inf", "nan", "start", "end"}
+_SUFFIX = re.compile(r"_(?:bucket|sum|count)$")
+
+
+def queried_metrics(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects, ``_bucket`` / ``_sum`` / ``_count``
+    stripped: what is left once strings, label matchers, ranges, grouping clauses, function
+    calls, keywords and numbers are taken out."""
+    text = _STRING.sub(" ", expr)
+    text = _MATCHERS.sub(" ", text)
+    text = _RANGES.sub(" ", text)
+    text = _GROUPING.sub(" ", text)
+    names = {m.group() for m in _IDENT.finditer(text)
+             if not text[m.end():].lstrip().startswith("(")} - _KEYWORDS  # not a call
+    return {_SUFFIX.sub("", n) for n in names}
+
+
+def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # a collapsed row holds its panels
+
+
+def expressions(dashboard: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            exprs.append(var["query"]["query"])
+    return exprs
+
+
+def unknown_metrics(dashboard: dict[str, Any], exported: set[str]) -> dict[str, set[str]]:
+    """Per expression, the names it queries that ``exported`` lacks (empty: all fine)."""
+    found = {}
+    for expr in expressions(dashboard):
+        missing = {n for n in queried_metrics(_label_values_metric(expr)) if n not in exported}
+        if missing:
+            found[expr] = missing
+    return found
+
+
+def _label_values_metric(expr: str) -> str:
+    """A template variable's ``label_values(metric, label)`` queries ``metric``."""
+    m = re.fullmatch(r"\s*label_values\(\s*([^,]+?)\s*,\s*\w+\s*\)\s*", expr)
+    return m.group(1) if m else expr
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return doc
+
+
+def test_queried_metrics_extraction() -> None:
+    assert queried_metrics(
+        'histogram_quantile(0.99, sum by (le, tier, op) '
+        '(rate(kvpool_tier_op_seconds_bucket{instance=~"$instance", op="get"}'
+        '[$__rate_interval])))') == {"kvpool_tier_op_seconds"}
+    assert queried_metrics(
+        'sum by (tier) (rate(kvpool_hit_chunks_total[5m])) / ignoring(tier) group_left() '
+        '(sum(rate(kvpool_hit_chunks_total[5m])) + sum(rate(kvpool_miss_chunks_total[5m])))'
+    ) == {"kvpool_hit_chunks_total", "kvpool_miss_chunks_total"}
+    assert queried_metrics("kvpool_used_bytes / kvpool_capacity_bytes > 0.8 offset 1h") == \
+        {"kvpool_used_bytes", "kvpool_capacity_bytes"}
+    assert queried_metrics('vllm:time_to_first_token_seconds_count{model_name="x"} * 2e-3') \
+        == {"vllm:time_to_first_token_seconds"}
+
+
+def test_dashboard_is_importable_anywhere(dashboard: dict[str, Any]) -> None:
+    assert isinstance(dashboard["schemaVersion"], int) and dashboard["schemaVersion"] >= 36
+    assert dashboard["uid"] and dashboard["title"] and dashboard["id"] is None
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids))
+    for panel in panels(dashboard):
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == DS, panel["title"]
+        assert panel["targets"] and panel["description"], panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        assert all(t["datasource"] == DS and t["expr"] for t in panel["targets"])
+    # Panels do not overlap.
+    cells = set()
+    for panel in panels(dashboard):
+        g = panel["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, panel["title"]
+                cells.add((x, y))
+    titles = " ".join(p["title"].lower() for p in panels(dashboard))
+    for subject in ("hit rate", "time to first token", "read", "written", "latency",
+                    "capacity", "errors", "dropped saves", "queue depth", "nodes up",
+                    "prefill tokens saved"):
+        assert subject in titles, subject
+
+
+def test_every_expression_parses(dashboard: dict[str, Any], tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (Debian package prometheus): " \
+        "run scripts/system-deps.sh"
+    rules = [{"record": f"kvpool:dashboard_check_{i}",
+              "expr": expr.replace("$__rate_interval", "1m").replace("$instance", ".*")}
+             for i, expr in enumerate(expressions(dashboard)) if "label_values" not in expr]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    res = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
