@@ -30,11 +30,13 @@ import select
 import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
 from typing import Any
 
 from kvpool.buffers import advance
 from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES
+from kvpool.metrics.recorder import LabeledLatency
 from kvpool.net.protocol import (
     HEADER_BYTES,
     KEYED_OPS,
@@ -65,6 +67,7 @@ class Traffic:
 
     def __init__(self, net_threads: int) -> None:
         self.served: dict[asyncio.Task[None], Connection] = {}
+        self.latency = LabeledLatency()
         self.inflight = 0
         self.draining = False
         self.net_executor = ThreadPoolExecutor(net_threads, thread_name_prefix="kvpool-node-net")
@@ -226,9 +229,11 @@ class Connection:
         except ValueError:
             raise ProtocolError(f"unknown opcode {req.op}") from None
         self._check_limits(op, req)
+        started = perf_counter()
         meta = memoryview(bytearray(req.meta_len))
         await self.recv_exact(meta)
-        self.count(f"op_{op.name.lower()}")
+        name = op.name.lower()
+        self.count(f"op_{name}")
         try:
             if self.refusal is not None:
                 raise Refused(Status.BUSY, self.refusal, close=True)
@@ -236,9 +241,12 @@ class Connection:
                 raise Refused(Status.AUTH_REQUIRED, "this node requires AUTH first", close=True)
             await self._dispatch(op, req, meta)
         except Refused as refused:
-            self.count("refused")
+            self.store.counters.add_many({"refused": 1,
+                                          f"refused_{refused.status.name.lower()}": 1})
             await self.reply(req, refused.status, meta=refused.message.encode())
             return not refused.close
+        finally:
+            self.traffic.latency.record(name, perf_counter() - started)
         return True
 
     def _check_limits(self, op: Op, req: Header) -> None:

@@ -29,6 +29,8 @@ from typing import Any
 
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
+from kvpool.metrics.http import MetricsServer
+from kvpool.metrics.server_collector import ServerCollector
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
@@ -65,7 +67,8 @@ class StorageNode:
         self.host = srv.advertise_host or srv.host
         self.node_id = srv.node_id or f"{self.host}:{self.port}"
         try:
-            self.pool = KVPool(config, remote=False)  # the node is the remote tier
+            # the node is the remote tier; it serves the pool's metrics with its own
+            self.pool = KVPool(config, remote=False, serve_metrics=False)
         except (ValueError, KVPoolError) as exc:  # tier geometry the media cannot hold
             self.listener.close()
             raise NodeStartError(str(exc)) from None
@@ -73,6 +76,20 @@ class StorageNode:
             self.listener.close()
             raise
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
+        self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
+                                                   self._metrics_state, self.traffic.latency))
+        self.metrics_server: MetricsServer | None = None
+        if srv.metrics_port is not None:
+            try:
+                self.metrics_server = MetricsServer(self.pool.metrics, srv.host,
+                                                    srv.metrics_port)
+            except BaseException:
+                self.listener.close()
+                self.pool.close()
+                raise
+
+    def _metrics_state(self) -> dict[str, Any]:
+        return {"connections": len(self._connections), "draining": self.store.drained}
 
     def count(self, name: str, n: int = 1) -> None:
         self.store.counters.add(name, n)
@@ -165,8 +182,9 @@ class StorageNode:
             raise
         accept = asyncio.create_task(self._accept_loop())
         sweeper = asyncio.create_task(self._sweep_idle())
+        metrics = f", metrics on port {self.metrics_server.port}" if self.metrics_server else ""
         print(f"kvpool serve: node {self.node_id} listening on {self.host}:{self.port} "
-              f"(pid {os.getpid()})", flush=True)
+              f"(pid {os.getpid()}){metrics}", flush=True)
         log_fd_limits(log, self.config.server.max_connections)
         if ready is not None:
             ready.set()
@@ -189,8 +207,9 @@ class StorageNode:
         from kvpool.cluster.membership import NodeInfo
         from kvpool.cluster.registration import NodeRegistration
         try:
+            metrics_port = self.metrics_server.port if self.metrics_server else None
             reg = NodeRegistration(cluster.etcd, cluster.name,
-                                   NodeInfo(self.node_id, self.host, self.port),
+                                   NodeInfo(self.node_id, self.host, self.port, metrics_port),
                                    cluster.lease_ttl_s)
             reg.start()
         except (EtcdError, ValueError) as exc:
@@ -220,8 +239,10 @@ class StorageNode:
         print(f"kvpool serve: node {self.node_id} stopped", flush=True)
 
     async def _release(self) -> None:
-        """Close the listener, the pool and the worker threads."""
+        """Close the listener, the metrics endpoint, the pool and the worker threads."""
         self.listener.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
         self.traffic.net_executor.shutdown(wait=True)

@@ -9,6 +9,7 @@ failure contract is the pool's: a miss, a fault of the media or a dead peer is a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any, Protocol
 
 from kvpool.keys import Namespace
@@ -20,6 +21,8 @@ Item = tuple[bytes, Namespace, memoryview]
 class Tier(Protocol):
     #: Names the pool's per-tier counters (``<name>_hits``).
     name: str
+    #: The ``tier`` label of its metrics (kvpool/metrics/catalogue.py TIERS).
+    label: str
     #: Where ``stats()`` goes in ``KVPool.stats()``, e.g. ("ssd",) or ("remote", "client").
     stats_key: tuple[str, ...]
 
@@ -103,23 +106,30 @@ def local_lookup(contains_many: Callable[[Sequence[bytes], bytes], list[bool]],
 
 
 def read_tiers(tiers: Sequence[Tier], ns: Namespace, keys: Sequence[bytes],
-               outs: Sequence[memoryview], add: Callable[[str, int], None]) -> list[int]:
+               outs: Sequence[memoryview], add: Callable[[dict[str, int]], None] | None,
+               timings: list[tuple[int, float]] | None = None) -> list[int]:
     """Read each key from the first tier (in order) that has it. Returns, per key, the index
-    of the tier that served it, or -1 for a miss. Counts ``<tier>_hits`` through ``add``
-    (once per tier and batch)."""
+    of the tier that served it, or -1 for a miss. Counts ``<tier>_hits``, ``_hit_bytes`` and
+    ``_hit_tokens`` through ``add`` (once per tier and batch; None: not counted). With
+    ``timings``, appends (tier index, seconds) for every tier asked."""
     served = [-1] * len(keys)
     pending = list(range(len(keys)))
     for index, tier in enumerate(tiers):
         if not pending:
             break
+        started = perf_counter() if timings is not None else 0.0
         got = tier.get_many_into(ns, [keys[i] for i in pending], [outs[i] for i in pending])
+        if timings is not None:
+            timings.append((index, perf_counter() - started))
         still = []
         for i, hit in zip(pending, got, strict=True):
             if hit:
                 served[i] = index
             else:
                 still.append(i)
-        if len(still) < len(pending):
-            add(f"{tier.name}_hits", len(pending) - len(still))
+        hits = len(pending) - len(still)
+        if hits and add is not None:
+            add({f"{tier.name}_hits": hits, f"{tier.name}_hit_bytes": hits * ns.chunk_bytes,
+                 f"{tier.name}_hit_tokens": hits * ns.layout.chunk_tokens})
         pending = still
     return served
