@@ -124,7 +124,7 @@ def test_interval_figures_from_a_served_registry(
     assert dram["get_p99_s"] == pytest.approx(2.5e-3 + 2.5e-3 * 49 / 50)
     assert ssd["get_p50_s"] is None
     assert dram["used_fraction"] == 0.25 and dram["capacity_bytes"] == 64 << 20
-    assert ssd["used_bytes"] == 0.0 and ssd["used_fraction"] == 0.0
+    assert ssd["used_bytes"] is None and ssd["used_fraction"] is None  # never set
     assert dram["evictions"] == 7 and ssd["evictions"] == 0
     assert ssd["checksum_failures"] == 1 and ssd["io_errors"] == 2 and ssd["errors"] == 3
     staging = tiers["ssd_staging"]

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpool.monitor.report import endpoint_report
@@ -98,34 +98,32 @@ def _targets(endpoints: Sequence[str], config: str | None) -> list[Target]:
         raise _SetupError(str(exc), 2) from exc
     if cfg.cluster.etcd:
         return _etcd_targets(cfg.cluster.etcd, cfg.cluster.name)
-    raise _SetupError("no endpoint: give --endpoint, or a config whose cluster.etcd lists "
-                      "nodes registered with server.metrics_port", 2)
+    if cfg.cluster.nodes and cfg.server.metrics_port:  # static nodes sharing one config
+        from kvpool.cluster.membership import NodeInfo
+        try:
+            nodes = [NodeInfo.from_address(a) for a in cfg.cluster.nodes]
+        except ValueError as exc:
+            raise _SetupError(str(exc), 2) from exc
+        return [Target(n.node_id, replace(n, metrics_port=cfg.server.metrics_port).metrics_url())
+                for n in nodes]
+    raise _SetupError("no endpoint: give --endpoint, or a config with cluster.etcd (nodes "
+                      "registered with server.metrics_port) or cluster.nodes and "
+                      "server.metrics_port", 2)
 
 
 def _etcd_targets(etcd: Sequence[str], cluster: str) -> list[Target]:
     """Every node registered in ``cluster``, at the metrics port its record names."""
-    from kvpool.cluster.etcd import EtcdClient, EtcdError
-    from kvpool.cluster.membership import NodeInfo, nodes_prefix
+    from kvpool.cluster.etcd import EtcdError
+    from kvpool.cluster.etcd_membership import list_nodes
     try:
-        kvs, _ = EtcdClient(etcd).get_prefix(nodes_prefix(cluster))
+        nodes = list_nodes(etcd, cluster)
     except (EtcdError, ValueError) as exc:
         raise _SetupError(f"cannot list the nodes in etcd: {exc}", 1) from exc
-    targets = []
-    for kv in kvs:
-        try:
-            node = NodeInfo.from_json(kv.value)
-            port = json.loads(kv.value).get("metrics_port")
-        except ValueError:
-            continue  # not a node record; membership logs and skips these too
-        if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-            host = NodeInfo(node.node_id, node.host, port).address()
-            targets.append(Target(node.node_id, endpoint_url(host)))
-        else:
-            targets.append(Target(node.node_id, None, "registered without a metrics port "
-                                  "(set server.metrics_port on the node)"))
-    if not targets:
+    if not nodes:
         raise _SetupError(f"no node is registered in cluster {cluster!r}", 2)
-    return sorted(targets, key=lambda t: t.name)
+    return [Target(n.node_id, n.metrics_url(),
+                   None if n.metrics_port else "registered without a metrics port (set "
+                   "server.metrics_port on the node)") for n in nodes]
 
 
 def _scrape(targets: Sequence[Target], timeout_s: float) -> list[Scrape]:

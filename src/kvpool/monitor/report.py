@@ -16,7 +16,7 @@ from kvpool.monitor.scrape import Scrape
 
 __all__ = ["endpoint_report"]
 
-# Metrics with a ``tier`` label: a tier is listed when any of them names it.
+# Metrics with a ``tier`` label: a tier is listed when any of them is not 0 for it.
 _TIER_METRICS = ("kvpool_hit_chunks_total", "kvpool_read_bytes_total",
                  "kvpool_written_bytes_total", "kvpool_tier_op_seconds_bucket",
                  "kvpool_evictions_total", "kvpool_checksum_failures_total",
@@ -61,9 +61,13 @@ def _kind(scrape: Scrape) -> str:
 
 
 def _tiers(scrape: Scrape) -> list[str]:
+    """The tiers with anything to show: a pool exports every tier's counters, zeros for the
+    tiers it lacks (a node has no cluster staging), and those rows would be noise."""
     names: set[str] = set()
     for metric in _TIER_METRICS:
-        names |= scrape.label_values(metric, "tier")
+        names |= {dict(labels).get("tier", "") for labels, value in scrape.series(metric).items()
+                  if value}
+    names.discard("")
     return sorted(names, key=lambda t: (_TIER_ORDER.get(t, len(_TIER_ORDER)), t))
 
 

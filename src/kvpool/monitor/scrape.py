@@ -71,14 +71,13 @@ class Scrape:
         return name in self.samples
 
     def total(self, name: str, **match: str) -> float | None:
-        """Sum of the series of ``name`` whose labels include ``match``; None if the endpoint
-        does not expose ``name`` or is down. 0.0 if it does but no series matches (a labelled
-        metric whose child has not been used yet)."""
-        series = self.samples.get(name)
-        if series is None:
-            return None
+        """Sum of the series of ``name`` whose labels include ``match``; None if no series
+        matches (the endpoint is down, lacks the metric, or has no such series: a gauge of a
+        tier or queue it does not have)."""
         want = match.items()
-        return float(sum(v for labels, v in series.items() if want <= dict(labels).items()))
+        values = [v for labels, v in self.samples.get(name, {}).items()
+                  if want <= dict(labels).items()]
+        return float(sum(values)) if values else None
 
     def label_values(self, name: str, label: str) -> set[str]:
         """Every value ``label`` takes among the series of ``name``."""
