@@ -1,5 +1,7 @@
 """deploy/grafana/kvpool.json: a valid dashboard on a ``${DS_PROMETHEUS}`` data source variable,
-whose every PromQL expression parses (promtool) and queries only metrics kvpool exports."""
+whose every PromQL expression parses (promtool) and queries only metrics kvpool exports: the
+catalogue's names, and what live registries serve (an embedded KVPool that is a client of a
+live node, the engine collector the integrations add to it, the node's own /metrics)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,15 @@ from typing import Any
 
 import pytest
 import yaml
+from kvtest import byte_namespace, payload_for, small_config
+from node_process import NodeProcess
+from prometheus_client.registry import CollectorRegistry
+
+from kvpool import KVPool
+from kvpool.metrics import all_metric_names
+from kvpool.metrics.engine import EngineCollector, EngineCounts
+from kvpool.metrics.recorder import LabeledLatency
+from kvpool.monitor.scrape import endpoint_url, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvpool.json"
@@ -69,6 +80,40 @@ def _label_values_metric(expr: str) -> str:
     """A template variable's ``label_values(metric, label)`` queries ``metric``."""
     m = re.fullmatch(r"\s*label_values\(\s*([^,]+?)\s*,\s*\w+\s*\)\s*", expr)
     return m.group(1) if m else expr
+
+
+def registry_names(registry: CollectorRegistry) -> set[str]:
+    """The names a registry exports, as PromQL queries them (counters with ``_total``)."""
+    return {f"{f.name}_total" if f.type == "counter" else f.name for f in registry.collect()}
+
+
+def served_names(url: str) -> set[str]:
+    """The names an endpoint serves, ``_bucket`` / ``_sum`` / ``_count`` stripped."""
+    found = scrape(url, 10)
+    assert found.up, found.error
+    return {_SUFFIX.sub("", name) for name in found.samples}
+
+
+@pytest.fixture(scope="module")
+def live_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """Every name live kvpool registries export: a node's /metrics, and an embedded pool
+    that is that node's client (remote tier, node up) with an engine's collector."""
+    base = tmp_path_factory.mktemp("dashboard")
+    with NodeProcess(base / "node", server={"metrics_port": 0}) as node:
+        config = small_config(base / "client", cluster={"nodes": [node.address]})
+        with KVPool(config) as pool:
+            ns = byte_namespace(salt="dashboard")  # a request, so the node counts one
+            pool.register_namespace(ns)
+            assert pool.put_many(ns, [b"k" * 16], [payload_for(b"k" * 16)]) == 1
+            pool.flush()
+            names = served_names(endpoint_url(f"127.0.0.1:{node.metrics_port}"))
+            ttft = LabeledLatency()
+            ttft.record("hf", 0.05)
+            pool.metrics.register(EngineCollector("hf", lambda: EngineCounts(
+                lookup_hit_tokens=32, lookup_miss_tokens=0, prefill_tokens_saved=32,
+                stored_tokens=64), ttft))
+            names |= registry_names(pool.metrics)
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +182,21 @@ def test_every_expression_parses(dashboard: dict[str, Any], tmp_path: Path) -> N
     res = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_queried_metric_is_exported(dashboard: dict[str, Any],
+                                          live_names: set[str]) -> None:
+    catalogue = set(all_metric_names())
+    assert unknown_metrics(dashboard, catalogue) == {}
+    assert unknown_metrics(dashboard, live_names) == {}
+    assert live_names <= catalogue  # (the registries themselves export nothing else)
+
+
+def test_a_misspelt_metric_is_caught(dashboard: dict[str, Any]) -> None:
+    broken = json.loads(json.dumps(dashboard))
+    target = next(t for p in panels(broken) for t in p.get("targets", [])
+                  if "kvpool_tier_op_seconds_bucket" in t["expr"])
+    target["expr"] = target["expr"].replace("kvpool_tier_op_seconds_bucket",
+                                            "kvpool_tier_ops_seconds_bucket")
+    assert unknown_metrics(broken, set(all_metric_names())) == \
+        {target["expr"]: {"kvpool_tier_ops_seconds"}}
