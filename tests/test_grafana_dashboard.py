@@ -170,6 +170,7 @@ def test_dashboard_is_importable_anywhere(dashboard: dict[str, Any]) -> None:
         assert subject in titles, subject
 
 
+@pytest.mark.prometheus
 def test_every_expression_parses(dashboard: dict[str, Any], tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool is not installed (Debian package prometheus): " \

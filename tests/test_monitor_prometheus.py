@@ -30,6 +30,7 @@ def prometheus_query(base: str, expr: str) -> list[dict[str, object]]:
     return result
 
 
+@pytest.mark.prometheus
 def test_quantiles_match_prometheus(tmp_path: Path) -> None:
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed (Debian package prometheus): " \
