@@ -19,7 +19,7 @@ class ServerCollector(Collector):
     ``state``: connections open now and whether the node is drained."""
 
     def __init__(self, counters: Callable[[], dict[str, int]],
-                 state: Callable[[], dict[str, Any]], latency: LabeledLatency) -> None:
+                 state: Callable[[], dict[str, Any]], latency: LabeledLatency | None) -> None:
         self._counters = counters
         self._state = state
         self._latency = latency
@@ -37,5 +37,6 @@ class ServerCollector(Collector):
         for name, n in sorted(counts.items()):
             if name.startswith("op_"):
                 out.add("kvpool_server_requests_total", n, name[3:])
-        out.add_histogram("kvpool_server_request_seconds", self._latency.snapshot())
+        if self._latency is not None:
+            out.add_histogram("kvpool_server_request_seconds", self._latency.snapshot())
         return iter(out)

@@ -65,9 +65,10 @@ class Traffic:
     accept loop fills the table), the requests in flight, whether the node is draining (a
     connection closes after its current request), and the network threads."""
 
-    def __init__(self, net_threads: int) -> None:
+    def __init__(self, net_threads: int, latency: LabeledLatency | None = None) -> None:
         self.served: dict[asyncio.Task[None], Connection] = {}
-        self.latency = LabeledLatency()
+        #: Request latency per op (None: metrics.enabled false).
+        self.latency = latency
         self.inflight = 0
         self.draining = False
         self.net_executor = ThreadPoolExecutor(net_threads, thread_name_prefix="kvpool-node-net")
@@ -246,7 +247,8 @@ class Connection:
             await self.reply(req, refused.status, meta=refused.message.encode())
             return not refused.close
         finally:
-            self.traffic.latency.record(name, perf_counter() - started)
+            if self.traffic.latency is not None:
+                self.traffic.latency.record(name, perf_counter() - started)
         return True
 
     def _check_limits(self, op: Op, req: Header) -> None:

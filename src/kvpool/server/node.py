@@ -30,6 +30,7 @@ from typing import Any
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
 from kvpool.metrics.http import MetricsServer
+from kvpool.metrics.recorder import LabeledLatency
 from kvpool.metrics.server_collector import ServerCollector
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
@@ -56,7 +57,8 @@ class StorageNode:
         srv = config.server
         self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
-        self.traffic = Traffic(srv.net_threads)
+        self.traffic = Traffic(srv.net_threads,
+                               LabeledLatency() if config.metrics.enabled else None)
         self._connections = self.traffic.served
         self._refusing: dict[asyncio.Task[None], Connection] = {}
         self._say_refused = RateLimited()
