@@ -19,7 +19,7 @@ _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\
 _IDENT = re.compile(r"(?<![\w$.:])[A-Za-z_:][A-Za-z0-9_:]*")
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
              "and", "or", "unless", "inf", "nan", "start", "end"}
-SUFFIX = re.compile(r"_(?:bucket|sum|count)$")
+_SUFFIX = re.compile(r"_(?:bucket|sum|count)$")
 
 
 def queried_metrics(expr: str) -> set[str]:
@@ -32,7 +32,7 @@ def queried_metrics(expr: str) -> set[str]:
     text = _GROUPING.sub(" ", text)
     names = {m.group() for m in _IDENT.finditer(text)
              if not text[m.end():].lstrip().startswith("(")} - _KEYWORDS  # not a call
-    return {SUFFIX.sub("", n) for n in names}
+    return {_SUFFIX.sub("", n) for n in names}
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -16,13 +16,13 @@ import yaml
 from dashboard_queries import (
     DASHBOARD,
     DS,
-    SUFFIX,
     expressions,
     panels,
     queried_metrics,
     unknown_metrics,
 )
 from kvtest import byte_namespace, payload_for, small_config
+from metrics_support import metric_names, scrape_url
 from node_process import NodeProcess
 from prometheus_client.registry import CollectorRegistry
 
@@ -30,19 +30,11 @@ from kvpool import KVPool
 from kvpool.metrics import all_metric_names
 from kvpool.metrics.engine import EngineCollector, EngineCounts
 from kvpool.metrics.recorder import LabeledLatency
-from kvpool.monitor.scrape import endpoint_url, scrape
 
 
 def registry_names(registry: CollectorRegistry) -> set[str]:
     """The names a registry exports, as PromQL queries them (counters with ``_total``)."""
     return {f"{f.name}_total" if f.type == "counter" else f.name for f in registry.collect()}
-
-
-def served_names(url: str) -> set[str]:
-    """The names an endpoint serves, ``_bucket`` / ``_sum`` / ``_count`` stripped."""
-    found = scrape(url, 10)
-    assert found.up, found.error
-    return {SUFFIX.sub("", name) for name in found.samples}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def live_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
             pool.register_namespace(ns)
             assert pool.put_many(ns, [b"k" * 16], [payload_for(b"k" * 16)]) == 1
             pool.flush()
-            names = served_names(endpoint_url(f"127.0.0.1:{node.metrics_port}"))
+            names = metric_names(scrape_url(f"http://127.0.0.1:{node.metrics_port}/metrics"))
             ttft = LabeledLatency()
             ttft.record("hf", 0.05)
             pool.metrics.register(EngineCollector("hf", lambda: EngineCounts(
