@@ -49,6 +49,7 @@ def test_counters_move_by_exactly_the_workload(tmp_path: Path) -> None:
         assert value(s1, "kvpool_ssd_write_amplification") == pytest.approx(
             (HEADER_BLOCK + CHUNK) / CHUNK)
         assert value(s1, "kvpool_queue_depth", queue="ssd_write_behind") == 0
+        assert value(s1, "kvpool_queue_bytes", queue="ssd_write_behind") == 0  # buffers kept
         assert delta(before, s1, "kvpool_op_seconds_count", op="put") == 8
 
         # 8 DRAM hits and 3 misses in one call; a lookup that finds 8

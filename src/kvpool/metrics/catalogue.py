@@ -78,7 +78,8 @@ def _specs() -> list[MetricSpec]:
                    "Saves dropped: full (staging full), write_error, pinned (DRAM had no "
                    "evictable slot), node_down (no storage node took it).", ("tier", "cause")),
         MetricSpec("kvpool_queue_depth", "gauge", "Chunks (mover: jobs) queued.", ("queue",)),
-        MetricSpec("kvpool_queue_bytes", "gauge", "Bytes held by a write-behind queue.",
+        MetricSpec("kvpool_queue_bytes", "gauge",
+                   "Payload bytes queued in a write-behind queue (being written included).",
                    ("queue",)),
         MetricSpec("kvpool_capacity_bytes", "gauge", "Capacity of a tier.", ("tier",)),
         MetricSpec("kvpool_used_bytes", "gauge", "Bytes in use in a tier.", ("tier",)),

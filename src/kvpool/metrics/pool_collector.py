@@ -89,7 +89,7 @@ def tier_counters(out: Families, stats: Stats) -> None:
         out.add("kvpool_dropped_saves_total", staging["dropped"], tier, "full")
         out.add("kvpool_dropped_saves_total", staging["write_errors"], tier, error_cause)
         out.add("kvpool_queue_depth", staging["queued"], queue)
-        out.add("kvpool_queue_bytes", staging["staging_bytes"], queue)
+        out.add("kvpool_queue_bytes", staging["queued_bytes"], queue)
     ssd = stats.get("ssd")
     if ssd is not None:
         out.add("kvpool_written_bytes_total", ssd["put_bytes"], "ssd")

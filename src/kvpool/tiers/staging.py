@@ -215,6 +215,8 @@ class WriteBehind:
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
             out.update(queued=len(self._queue) + len(self._writing),
+                       queued_bytes=sum(s.nbytes for s in self._queue.values())
+                       + sum(s.nbytes for s in self._writing.values()),
                        staging_bytes=self._allocated, staging_limit=self._max_bytes)
             return out
 
