@@ -8,9 +8,11 @@ accepting, deregisters (clients stop routing to it at once), lets in-flight requ
 A kill -9 loses only what was not yet on SSD; the next start recovers the SSD log and serves
 it again (keys are content addresses).
 
-Start-up failures a user can fix (tier geometry the media cannot hold, an etcd that cannot be
-reached to register) raise NodeStartError with one line naming the setting; ``kvpool serve``
-prints it and exits 2. A node never dies of a failed accept (see ``accept.py``).
+At start the node warns (one WARNING line, event ``memory_reserve``) when dram.capacity plus
+its overhead exceed 80% of the memory available (``kvpool.hostmem``). Start-up failures a
+user can fix (tier geometry the media cannot hold, an etcd that cannot be reached to
+register) raise NodeStartError with one line naming the setting; ``kvpool serve`` prints it
+and exits 2. A node never dies of a failed accept (see ``accept.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
+from kvpool.hostmem import check_node_memory
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
@@ -64,6 +67,8 @@ class StorageNode:
         self.port: int = self.listener.getsockname()[1]
         self.host = srv.advertise_host or srv.host
         self.node_id = srv.node_id or f"{self.host}:{self.port}"
+        # Before the arena is taken (with dram.prefault: start it would lower MemAvailable).
+        check_node_memory(log, config.dram.capacity, config.pool.write_behind_bytes)
         try:
             self.pool = KVPool(config, remote=False)  # the node is the remote tier
         except (ValueError, KVPoolError) as exc:  # tier geometry the media cannot hold
