@@ -114,5 +114,5 @@ def test_node_check_on_this_host(caplog: pytest.LogCaptureFixture) -> None:
         assert check_node_memory(log, 64 * MiB, 64 * MiB) is False
         assert check_node_memory(log, 1 << 50, 0) is True  # a PiB arena: never fits
     [record] = caplog.records
-    assert record.levelno == logging.WARNING and getattr(record, "event") == "memory_reserve"
-    assert getattr(record, "dram_capacity") == 1 << 50
+    assert record.levelno == logging.WARNING and record.event == "memory_reserve"
+    assert record.dram_capacity == 1 << 50
