@@ -259,6 +259,14 @@ class ClusterConfig(_Section):
         return bool(self.nodes or self.etcd)
 
 
+class LogConfig(_Section):
+    """Logging of the kvpool commands (`kvpool serve`, `kvpool demo`); an embedded pool leaves
+    its host process's logging alone."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged (every logger; kvpool's log under kvpool.*).")
+    format: Literal["text", "json"] = Field("text", description="text: `time LEVEL logger: message`; json: one JSON object per line with ts (UTC, ISO 8601), level, logger, event (null for a line that is not one of the events in docs/config.md), message and the event's own fields (node, segment, offset, peer, count, ...).")
+
+
 class Config(_Section):
     """Top-level kvpool settings."""
 
@@ -268,6 +276,7 @@ class Config(_Section):
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig())
     cluster: ClusterConfig = Field(default_factory=lambda: ClusterConfig())
     server: ServerConfig = Field(default_factory=lambda: ServerConfig())
+    log: LogConfig = Field(default_factory=lambda: LogConfig())
 
     def ssd_path(self) -> Path:
         return Path(self.ssd.path).expanduser() if self.ssd.path else Path(self.cache_dir).expanduser() / "ssd"

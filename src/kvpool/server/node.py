@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +31,10 @@ from typing import Any
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
 from kvpool.hostmem import check_node_memory
+from kvpool.logs import RateLimited, configure_logging
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
-from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
+from kvpool.server.accept import AcceptBackoff, log_fd_limits, raise_fd_limit
 from kvpool.server.connection import Connection, Traffic
 from kvpool.server.store import NodeStore
 
@@ -115,7 +115,9 @@ class StorageNode:
             self._refuse(sock, limit)
             return
         self.count("connections_accepted")
-        self._start(Connection(self.store, self.traffic, sock), self._connections)
+        conn = Connection(self.store, self.traffic, sock)
+        conn.session.peer = conn.peer  # the store names the peer in its log (auth failures)
+        self._start(conn, self._connections)
 
     def _refuse(self, sock: socket.socket, limit: int) -> None:
         """Over max_connections: answer the first request BUSY (within auth_timeout_s), then
@@ -235,8 +237,7 @@ class StorageNode:
 def run(config: Config) -> int:
     """Run a node in this process until SIGTERM/SIGINT. Returns the exit status. Raises
     NodeStartError (a fixable setting), OSError (e.g. the port is taken)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log)
     raise_fd_limit(log)
     node = StorageNode(config)
     try:
