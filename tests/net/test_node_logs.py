@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TOKENS
 from kvtest import byte_namespace
 from node_process import NodeProcess
 
@@ -16,6 +15,8 @@ from kvpool.config import ClusterConfig
 from kvpool.net.client import ClusterClient
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import AuthError, Op
+
+TOKENS = [{"token": "token-acme-123", "tenants": ["acme"]}]
 
 
 def json_lines(node: NodeProcess) -> list[dict[str, Any]]:
