@@ -32,6 +32,9 @@ from kvpool.config import Config
 from kvpool.errors import KVPoolError
 from kvpool.hostmem import check_node_memory
 from kvpool.logs import RateLimited, configure_logging
+from kvpool.metrics.http import MetricsServer
+from kvpool.metrics.recorder import LabeledLatency
+from kvpool.metrics.server_collector import ServerCollector
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, log_fd_limits, raise_fd_limit
@@ -57,7 +60,8 @@ class StorageNode:
         srv = config.server
         self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
-        self.traffic = Traffic(srv.net_threads)
+        self.traffic = Traffic(srv.net_threads,
+                               LabeledLatency() if config.metrics.enabled else None)
         self._connections = self.traffic.served
         self._refusing: dict[asyncio.Task[None], Connection] = {}
         self._say_refused = RateLimited()
@@ -70,7 +74,8 @@ class StorageNode:
         # Before the arena is taken (with dram.prefault: start it would lower MemAvailable).
         check_node_memory(log, config.dram.capacity, config.pool.write_behind_bytes)
         try:
-            self.pool = KVPool(config, remote=False)  # the node is the remote tier
+            # the node is the remote tier; it serves the pool's metrics with its own
+            self.pool = KVPool(config, remote=False, serve_metrics=False)
         except (ValueError, KVPoolError) as exc:  # tier geometry the media cannot hold
             self.listener.close()
             raise NodeStartError(str(exc)) from None
@@ -78,6 +83,20 @@ class StorageNode:
             self.listener.close()
             raise
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
+        self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
+                                                   self._metrics_state, self.traffic.latency))
+        self.metrics_server: MetricsServer | None = None
+        if srv.metrics_port is not None:
+            try:
+                self.metrics_server = MetricsServer(self.pool.metrics, srv.host,
+                                                    srv.metrics_port)
+            except BaseException:
+                self.listener.close()
+                self.pool.close()
+                raise
+
+    def _metrics_state(self) -> dict[str, Any]:
+        return {"connections": len(self._connections), "draining": self.store.drained}
 
     def count(self, name: str, n: int = 1) -> None:
         self.store.counters.add(name, n)
@@ -172,8 +191,9 @@ class StorageNode:
             raise
         accept = asyncio.create_task(self._accept_loop())
         sweeper = asyncio.create_task(self._sweep_idle())
+        metrics = f", metrics on port {self.metrics_server.port}" if self.metrics_server else ""
         print(f"kvpool serve: node {self.node_id} listening on {self.host}:{self.port} "
-              f"(pid {os.getpid()})", flush=True)
+              f"(pid {os.getpid()}){metrics}", flush=True)
         log_fd_limits(log, self.config.server.max_connections)
         if ready is not None:
             ready.set()
@@ -196,8 +216,9 @@ class StorageNode:
         from kvpool.cluster.membership import NodeInfo
         from kvpool.cluster.registration import NodeRegistration
         try:
+            metrics_port = self.metrics_server.port if self.metrics_server else None
             reg = NodeRegistration(cluster.etcd, cluster.name,
-                                   NodeInfo(self.node_id, self.host, self.port),
+                                   NodeInfo(self.node_id, self.host, self.port, metrics_port),
                                    cluster.lease_ttl_s)
             reg.start()
         except (EtcdError, ValueError) as exc:
@@ -227,8 +248,10 @@ class StorageNode:
         print(f"kvpool serve: node {self.node_id} stopped", flush=True)
 
     async def _release(self) -> None:
-        """Close the listener, the pool and the worker threads."""
+        """Close the listener, the metrics endpoint, the pool and the worker threads."""
         self.listener.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
         self.traffic.net_executor.shutdown(wait=True)

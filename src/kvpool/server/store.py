@@ -148,6 +148,8 @@ class NodeStore:
         self.cfg = cfg
         self.node_id = node_id
         self.auth = Authenticator(cfg.auth, cfg.admin_token)
+        #: True while an operator has drained this node (kvpool admin drain).
+        self.drained = False
         self.counters = Counters()
         self.tenant_counts = TenantCounters(self.auth.tenants)
         self.namespaces = NamespaceRegistry(pool, cfg.max_namespaces)
