@@ -24,3 +24,18 @@ def test_config_shows_env_override_and_rejects_unknown_keys() -> None:
     res = run("config", env={"KVPOOL_DRAM__CAPACITYY": "2GiB"})
     assert res.returncode == 2 and "dram.capacityy: unknown key" in res.stderr
 
+
+
+def test_config_prints_the_capacity_warm_cache_ratio_resolves_to() -> None:
+    import yaml
+
+    from kvpool.hostmem import host_memory_total
+
+    res = run("config", env={"KVPOOL_DRAM__WARM_CACHE_RATIO": "0.25"})
+    assert res.returncode == 0 and res.stdout.startswith("# dram.capacity resolved from")
+    dram = yaml.safe_load(res.stdout)["dram"]
+    slab = dram["slab_size"]
+    assert dram["capacity"] == int(host_memory_total() * 0.25) // slab * slab
+    res = run("config", env={"KVPOOL_DRAM__WARM_CACHE_RATIO": "0.25",
+                             "KVPOOL_DRAM__CAPACITY": "1GiB"})
+    assert res.returncode == 2 and "set one, not both" in res.stderr

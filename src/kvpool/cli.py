@@ -71,6 +71,9 @@ def _config_command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
+    if cfg.dram.warm_cache_ratio is not None:
+        print(f"# dram.capacity resolved from dram.warm_cache_ratio={cfg.dram.warm_cache_ratio}"
+              " of this host's memory; a file may set one of the two, not both")
     print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
     return 0
 

@@ -84,6 +84,29 @@ class DramConfig(_Section):
         return {True: "start", False: "none"}.get(value, value) if isinstance(value, bool) \
             else value
     put_wait_s: float = Field(1.0, ge=0, description="How long a put waits for a slot when every resident chunk is pinned by a zero-copy view, before the put is dropped (counted).")
+    warm_cache_ratio: float | None = Field(None, gt=0, le=0.9, description="YRCloudFile's warm_cache_ratio: dram.capacity becomes this share of the host's memory (MemTotal, or the memory limit of the cgroup this process runs in where lower), rounded down to whole dram.slab_size; kvpool config prints the capacity it resolved to. Setting dram.capacity as well is refused (which one would win is not guessable). null: dram.capacity as given.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _capacity_from_ratio(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or data.get("warm_cache_ratio") is None:
+            return data
+        if "capacity" in data:
+            raise ValueError("dram.capacity and dram.warm_cache_ratio: set one, not both")
+        try:
+            ratio = float(data["warm_cache_ratio"])
+            slab = parse_size(data.get("slab_size", cls.model_fields["slab_size"].default))
+        except (TypeError, ValueError):
+            return data  # the fields' own validation names the bad value
+        if not 0 < ratio <= 0.9 or slab <= 0:
+            return data
+        from kvpool.hostmem import host_memory_total
+        total = host_memory_total()
+        capacity = int(total * ratio) // slab * slab
+        if capacity <= 0:
+            raise ValueError(f"dram.warm_cache_ratio={ratio}: {ratio:g} of the host's "
+                             f"{total} bytes is less than one dram.slab_size={slab}")
+        return {**data, "capacity": capacity}
 
     @field_validator("slab_size")
     @classmethod
@@ -246,6 +269,14 @@ class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the metrics HTTP server listens on.")
 
 
+class LogConfig(_Section):
+    """Logging of the kvpool commands (`kvpool serve`, `kvpool demo`); an embedded pool leaves
+    its host process's logging alone."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged (every logger; kvpool's log under kvpool.*).")
+    format: Literal["text", "json"] = Field("text", description="text: `time LEVEL logger: message`; json: one JSON object per line with ts (UTC, ISO 8601), level, logger, event (null for a line that is not one of the events in docs/config.md), message and the event's own fields (node, segment, offset, peer, count, ...).")
+
+
 class Config(_Section):
     """Top-level kvpool settings."""
 
@@ -256,6 +287,7 @@ class Config(_Section):
     cluster: ClusterConfig = Field(default_factory=lambda: ClusterConfig())
     server: ServerConfig = Field(default_factory=lambda: ServerConfig())
     metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig())
+    log: LogConfig = Field(default_factory=lambda: LogConfig())
 
     def ssd_path(self) -> Path:
         return Path(self.ssd.path).expanduser() if self.ssd.path else Path(self.cache_dir).expanduser() / "ssd"

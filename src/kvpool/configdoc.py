@@ -18,6 +18,77 @@ REMOVED_KEYS = {
 }
 
 
+#: YRCloudFile's tuning knobs and what each one is in kvpool (issue 12 item 4).
+YRCLOUDFILE_SECTION = [
+    "## YRCloudFile's knobs",
+    "",
+    "kvpool follows YRCloudFile's KVCache tuning guide; each of its knobs maps onto the keys",
+    "above as follows, and where one cannot apply the table says so instead of faking it.",
+    "",
+    "| YRCloudFile | kvpool | notes |",
+    "| --- | --- | --- |",
+    "| `warm_cache_ratio` | `dram.warm_cache_ratio` | Share of host memory (MemTotal, or a "
+    "lower cgroup memory limit) for the DRAM tier; resolves `dram.capacity` to whole "
+    "`dram.slab_size` when the config loads (`kvpool config` prints the result); setting "
+    "`dram.capacity` too is refused. Applies to a storage node and to an embedded pool alike: "
+    "it sizes kvpool's own arena, never the engine's KV memory. Each process with a pool "
+    "takes that share: with vLLM tensor parallelism every rank owns a pool, so divide the "
+    "ratio by the ranks on one host. |",
+    "| `prefetch_window` | `pool.prefetch_window_chunks`; vLLM: "
+    f"`{EXTRA_CONFIG}.prefetch_window_tokens` | Tokens read ahead along a prefix: the vLLM "
+    "connector's scheduler-side lookup moves the first this-many tokens of the cached prefix "
+    "that DRAM lacks up from SSD / the nodes, a scheduler step before the load (tokens, "
+    "rounded up to chunks; default `pool.prefetch_window_chunks` chunks). The HF "
+    "integration does not read ahead: its load follows its lookup at once, where a read-ahead "
+    "measured 25-50% slower (see `pool.prefetch_window_chunks`). |",
+    f"| `offload_threshold` | vLLM: `{EXTRA_CONFIG}.offload_threshold` | vLLM owns its KV "
+    "memory, but it hands the connector's scheduler side its block pool "
+    "(`bind_gpu_block_pool`, vLLM 0.32): a request is saved only if the engine's KV usage "
+    "(blocks in use / all blocks) is at least the threshold when its first chunk completes, "
+    "the whole request or none of it. 0 (default) saves every request. A skipped request is "
+    "not in kvpool after a restart, for other engines, or once vLLM evicts it. The HF "
+    "integration has no such figure (transformers keeps no shared KV block pool) and always "
+    "saves. |",
+    "| `block_size` | none: 4096 bytes, fixed | SSD alignment. Every record starts on a 4 "
+    "KiB boundary and the on-disk format counts in 4 KiB blocks (the index, segment "
+    "summaries, recovery scans), so it is part of the format, not a tunable: a directory "
+    "written at one alignment could not be read at another. 4096 satisfies O_DIRECT on "
+    "every 512-byte and 4Kn device; a medium that needs more fails the aligned probe read "
+    "at open (EINVAL) and `ssd.direct_io: auto` falls back to buffered IO with one warning "
+    "(`on` refuses to start). Large IOs come from `ssd.segment_size`, `ssd.read_piece_bytes` "
+    "and `ssd.coalesce_max_bytes` instead. |",
+    "| reserve 20% of storage-node memory | start-up check of `kvpool serve` | One WARNING "
+    "line (event `memory_reserve`, with the figures) when `dram.capacity` + 256 MiB of "
+    "process overhead + `pool.write_behind_bytes` exceed 80% of the memory available "
+    "(MemAvailable, or a lower cgroup limit minus its usage), checked before the arena is "
+    "taken. It warns, it does not refuse: the operator may know better. |",
+]
+
+#: The events of the structured logs (issue 12 item 6).
+LOG_EVENTS_SECTION = [
+    "## Log events",
+    "",
+    "`kvpool serve` and `kvpool demo` configure logging from the `log` section (an embedded",
+    "pool leaves its host process's logging alone). With `log.format: json` each line is one",
+    "object: `ts`, `level`, `logger`, `event` (null for other lines), `message` and the",
+    "event's fields below.",
+    "",
+    "| event | level | logger | fields |",
+    "| --- | --- | --- | --- |",
+    "| `node_joined`, `node_left` | info | kvpool.cluster.etcd_membership | `cluster`, `node`, "
+    "`address`: a client's etcd membership saw a node come or go (the first read included) |",
+    "| `segment_evicted` | info | kvpool.ssd | `segment`, `records_dropped`, "
+    "`copied_forward` |",
+    "| `checksum_failure` | warning | kvpool.ssd | `segment`, `offset` (bytes into the "
+    "segment), `key_prefix` (first 4 bytes, hex), `reason`, `held_back`: at most one line "
+    "per 10 s, `held_back` failures since the last |",
+    "| `auth_failure` | warning | kvpool.serve | `node`, `peer` (host:port), `held_back`: "
+    "rate-limited like checksum_failure |",
+    "| `memory_reserve` | warning | kvpool.serve | `dram_capacity`, `available` (bytes): see "
+    "the reserve-20% row above |",
+]
+
+
 def _default_repr(value: object) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20:
         for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
@@ -82,6 +153,10 @@ def config_markdown() -> str:
         "",
         *header,
         *_rows(ConnectorSettings, None),
+        "",
+        *YRCLOUDFILE_SECTION,
+        "",
+        *LOG_EVENTS_SECTION,
         "",
         "## Removed keys",
         "",

@@ -169,6 +169,28 @@ def test_registered_node_is_visible(etcd_endpoint: str, cluster_name: str) -> No
     assert changes == [["node-1"], ["node-1", "node-2"], ["node-1"], []]
 
 
+def test_nodes_joining_and_leaving_are_logged_as_events(
+        etcd_endpoint: str, cluster_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvpool.cluster")
+
+    def events() -> list[tuple[str, str]]:
+        return [(r.event, r.node) for r in caplog.records
+                if getattr(r, "event", None) in ("node_joined", "node_left")]
+
+    with NodeRegistration([etcd_endpoint], cluster_name, node(1)), \
+            EtcdMembership([etcd_endpoint], cluster_name) as members:
+        assert events() == [("node_joined", "node-1")]  # the initial read
+        with NodeRegistration([etcd_endpoint], cluster_name, node(2)):
+            wait_for(lambda: len(members.live_nodes()) == 2, 5, "watcher sees node-2")
+        wait_for(lambda: len(members.live_nodes()) == 1, 5, "node-2 leaves")
+    assert events() == [("node_joined", "node-1"), ("node_joined", "node-2"),
+                        ("node_left", "node-2")]
+    joined = next(r for r in caplog.records if getattr(r, "event", None) == "node_joined")
+    assert joined.cluster == cluster_name
+    assert joined.address == "127.0.0.1:7001"
+    assert "node node-1 (127.0.0.1:7001) joined" in joined.getMessage()
+
+
 def test_a_new_watcher_sees_existing_nodes(etcd_endpoint: str, cluster_name: str) -> None:
     with NodeRegistration([etcd_endpoint], cluster_name, node(3)), \
             EtcdMembership([etcd_endpoint], cluster_name) as members:

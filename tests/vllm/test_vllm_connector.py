@@ -139,3 +139,19 @@ def test_wrong_kv_changes_output(run_engine: EngineRunner, tiny_model: Path,
     c = counters(result)
     assert c["loaded_tokens"] == P1_CHUNKS * BLOCK
     assert outputs(result) != outputs(baseline)[:1]
+
+
+@pytest.mark.parametrize(("threshold", "saved"), [(1.0, 0), (1e-9, len(P1) // BLOCK)])
+def test_offload_threshold_reads_the_engines_kv_usage(
+        run_engine: EngineRunner, tiny_model: Path, baseline: dict[str, Any], tmp_path: Path,
+        threshold: float, saved: int) -> None:
+    """offload_threshold against vLLM's own block pool (the scheduler binds it): P1 alone
+    holds a few of the engine's blocks, so the usage is above 1e-9 (every full chunk saved)
+    and below 1.0 (nothing saved). Outputs are recompute's either way."""
+    s = spec(tiny_model, [P1], tmp_path / "pool")
+    s["connector"]["extra"]["offload_threshold"] = threshold
+    result = run_engine(s)
+    assert outputs(result) == outputs(baseline)[:1]
+    c = counters(result)
+    assert c["stored_chunks"] == saved
+    assert c["loaded_tokens"] == 0

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.lookup import LookupClient, LookupServer
 from kvpool.integrations.vllm.plan import RequestPlan
+from kvpool.integrations.vllm.scheduler import SchedulerSide
 from kvpool.integrations.vllm.settings import parse_settings
+from kvpool.keys import KVLayout, Namespace
 
 
 def plan(prompt_len: int = 1000, chunk: int = 256, block: int = 128) -> RequestPlan:
@@ -64,6 +68,53 @@ def test_failed_load_makes_the_recomputed_chunks_stored_again() -> None:
     assert blocks(store) == [(102, 103), (104, 105)]
 
 
+def scheduler(extra: dict[str, object]) -> tuple[SchedulerSide, LookupServer]:
+    """A scheduler side of 256-token chunks over 128-token blocks, one worker that has
+    nothing stored (a real lookup server)."""
+    sched = SchedulerSide(parse_settings({"chunk_tokens": 256, **extra}, 128))
+    server = LookupServer(lambda keys: 0)
+    ns = Namespace("m", KVLayout("uint8", 1, 1, 1024, 1, kv_factor=1))
+    sched.set_workers([(ns, server.address)])
+    return sched, server
+
+
+def stored_blocks(sched: SchedulerSide, req: str, before: int, n: int) -> list[tuple[int, ...]]:
+    """Blocks this step stores for ``req`` (scheduled ``n`` tokens after ``before``)."""
+    _, stores = sched.build({req: n}, {req: before}, lambda _: TABLE)
+    return [c.block_ids for t in stores for c in t.chunks]
+
+
+def test_offload_threshold_saves_a_whole_request_or_none_of_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sched, server = scheduler({"offload_threshold": 0.5})
+    usage = [0.2]
+    sched.bind_usage(lambda: usage[0])
+    for req in ("low", "high"):
+        request = SimpleNamespace(request_id=req, prompt_token_ids=list(range(1000)))
+        assert sched.matched_tokens(request, 0) == 0
+        sched.after_alloc(request, 0)
+    assert stored_blocks(sched, "low", 0, 300) == []  # 20% in use: vLLM's cache keeps it
+    usage[0] = 0.9
+    assert stored_blocks(sched, "low", 300, 300) == []  # decided at its first chunk: kept
+    assert stored_blocks(sched, "high", 0, 600) == [(100, 101), (102, 103)]
+    usage[0] = 0.1
+    assert stored_blocks(sched, "high", 600, 400) == [(104, 105)]  # no hole in its prefix
+    assert sched.skipped_chunks == 2
+    sched.finished("low")
+    sched.close()
+    server.close()
+    # Default 0: every request saved, no block pool needed. A threshold without a bound
+    # block pool saves everything too, with one warning.
+    for extra in ({}, {"offload_threshold": 0.5}):
+        sched, server = scheduler(extra)
+        sched.after_alloc(SimpleNamespace(request_id="r", prompt_token_ids=list(range(600))), 0)
+        with caplog.at_level(logging.WARNING, logger="kvpool.integrations.vllm"):
+            assert stored_blocks(sched, "r", 0, 600) == [(100, 101), (102, 103)]
+        sched.close()
+        server.close()
+    assert sum("bound no block pool" in r.message for r in caplog.records) == 1
+
+
 def test_lookup_over_the_socket_and_a_dead_worker_is_a_miss() -> None:
     present = {b"a" * 16, b"b" * 16}
     server = LookupServer(lambda keys: next(
@@ -106,6 +157,8 @@ def test_settings_validate_chunk_size_and_keys() -> None:
     ({"lookup_timeout_s": 0}, r"\.lookup_timeout_s: Input should be greater than 0"),
     ({"lookup_timeout_s": True}, r"\.lookup_timeout_s: Input should be a valid number"),
     ({"tenant_salt": 5}, r"\.tenant_salt: Input should be a valid string"),
+    ({"offload_threshold": 1.5}, r"\.offload_threshold: Input should be less than or equal"),
+    ({"offload_threshold": "0.5"}, r"\.offload_threshold: Input should be a valid number"),
 ])
 def test_settings_errors_name_the_key(extra: dict[str, object], error: str) -> None:
     with pytest.raises(ConfigError, match=error):

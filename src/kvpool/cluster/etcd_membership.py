@@ -81,7 +81,9 @@ class EtcdMembership:
     made meanwhile (including a restart with lost data) are picked up.
 
     ``on_change`` is called from the watch thread with the new sorted list each time the set
-    changes (not for the initial read); an exception it raises is logged and ignored.
+    changes (not for the initial read); an exception it raises is logged and ignored. Every
+    node that joins or leaves the set (the initial read included) is one INFO line, event
+    ``node_joined`` / ``node_left``.
     """
 
     def __init__(self, endpoints: Sequence[str], cluster: str,
@@ -137,7 +139,8 @@ class EtcdMembership:
             view = sorted_nodes(self._nodes.values())
             if view == self._view:
                 return
-            self._view = view
+            before, self._view = self._view, view
+        _log_changes(self.cluster, before, view)
         if notify and self._on_change is not None:
             try:
                 self._on_change(list(view))
@@ -216,6 +219,20 @@ class EtcdMembership:
                 return
             if msg.events:
                 self._apply(msg)
+
+
+def _log_changes(cluster: str, before: list[NodeInfo], after: list[NodeInfo]) -> None:
+    """One INFO line per node that joined or left (events node_joined / node_left); a node
+    whose address changed under the same id leaves and joins."""
+    gone, new = set(before) - set(after), set(after) - set(before)
+    for node in sorted_nodes(gone):
+        log.info("kvpool membership %s: node %s (%s) left", cluster, node.node_id,
+                 node.address(), extra={"event": "node_left", "cluster": cluster,
+                                        "node": node.node_id, "address": node.address()})
+    for node in sorted_nodes(new):
+        log.info("kvpool membership %s: node %s (%s) joined", cluster, node.node_id,
+                 node.address(), extra={"event": "node_joined", "cluster": cluster,
+                                        "node": node.node_id, "address": node.address()})
 
 
 def list_nodes(endpoints: Sequence[str], cluster: str, timeout_s: float = 2.0) -> list[NodeInfo]:

@@ -79,12 +79,20 @@ def load_model(name: str, console: Console) -> tuple[Any, Any, str]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    from kvpool.config import load_config
     from kvpool.demo import report
     from kvpool.demo.runner import RequestResult, Settings, run_modes, warm_up
+    from kvpool.errors import ConfigError
+    from kvpool.logs import configure_logging
 
     console = Console()
     if not console.is_terminal:
         console = Console(width=130)  # a log file gets the whole table, not 80 columns
+    try:  # the log section of $KVPOOL_CONFIG / KVPOOL_LOG__* (the demo's stores are its own)
+        configure_logging(load_config().log)
+    except ConfigError as exc:
+        console.print(f"[red]kvpool demo: {exc}")
+        return 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:

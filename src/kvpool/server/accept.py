@@ -5,23 +5,22 @@ A failed ``accept`` never ends the loop. Running out of descriptors or kernel me
 the listener readable, so retrying at once would spin: the loop backs off (10 ms doubling to
 1 s) until an accept succeeds. Errors that belong to one aborted connection (ECONNABORTED,
 EPROTO, ...) are retried at once. Either is counted and logged at most once per
-``LOG_INTERVAL_S`` with the number of repeats.
+``kvpool.logs.LOG_INTERVAL_S`` with the number of repeats.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import math
 import resource
-import time
 from pathlib import Path
+
+from kvpool.logs import RateLimited
 
 #: Out of descriptors or kernel memory: wait for some to be freed.
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 BACKOFF_MIN_S = 0.01
 BACKOFF_MAX_S = 1.0
-LOG_INTERVAL_S = 10.0
 
 
 def raise_fd_limit(log: logging.Logger) -> tuple[int, int]:
@@ -64,25 +63,6 @@ def log_fd_limits(log: logging.Logger, max_connections: int) -> None:
 
 def _limit(value: int) -> str:
     return "unlimited" if value == resource.RLIM_INFINITY else str(value)
-
-
-class RateLimited:
-    """At most one message per ``interval_s``; counts the ones held back."""
-
-    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
-        self.interval_s = interval_s
-        self._last = -math.inf
-        self._held = 0
-
-    def due(self) -> int | None:
-        """None: stay quiet (counted). Else: say it now, mentioning the returned number of
-        messages held back since the last one."""
-        now = time.monotonic()
-        if now - self._last < self.interval_s:
-            self._held += 1
-            return None
-        held, self._held, self._last = self._held, 0, now
-        return held
 
 
 class AcceptBackoff:

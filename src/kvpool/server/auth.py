@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hmac
+import logging
 
 from kvpool.config import TenantToken
+from kvpool.logs import RateLimited
+
+log = logging.getLogger("kvpool.serve")
 
 
 class Authenticator:
@@ -16,6 +20,7 @@ class Authenticator:
         self._tokens = [(t.token.encode(), frozenset(t.tenants)) for t in tokens]
         self._admin = admin_token.encode() if admin_token is not None and tokens else None
         self.tenants: frozenset[str] = frozenset(t for _, ts in self._tokens for t in ts)
+        self._say_failed = RateLimited()
 
     @property
     def enabled(self) -> bool:
@@ -28,6 +33,17 @@ class Authenticator:
             if hmac.compare_digest(known, token):
                 found = tenants
         return found
+
+    def log_failure(self, node_id: str, peer: str | None) -> None:
+        """One WARNING line (event ``auth_failure``, the peer's address, never the token) per
+        LOG_INTERVAL_S at most, with the number of failures held back since the last."""
+        held = self._say_failed.due()
+        if held is not None:
+            log.warning("node %s: AUTH with an unknown token from %s; connection closed%s",
+                        node_id, peer or "an unnamed peer",
+                        f" ({held} more since the last report)" if held else "",
+                        extra={"event": "auth_failure", "node": node_id, "peer": peer,
+                               "held_back": held})
 
     def is_admin(self, token: bytes) -> bool:
         """Whether ``token`` is the configured admin token (constant time)."""

@@ -8,9 +8,11 @@ accepting, deregisters (clients stop routing to it at once), lets in-flight requ
 A kill -9 loses only what was not yet on SSD; the next start recovers the SSD log and serves
 it again (keys are content addresses).
 
-Start-up failures a user can fix (tier geometry the media cannot hold, an etcd that cannot be
-reached to register) raise NodeStartError with one line naming the setting; ``kvpool serve``
-prints it and exits 2. A node never dies of a failed accept (see ``accept.py``).
+At start the node warns (one WARNING line, event ``memory_reserve``) when dram.capacity plus
+its overhead exceed 80% of the memory available (``kvpool.hostmem``). Start-up failures a
+user can fix (tier geometry the media cannot hold, an etcd that cannot be reached to
+register) raise NodeStartError with one line naming the setting; ``kvpool serve`` prints it
+and exits 2. A node never dies of a failed accept (see ``accept.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,12 +30,14 @@ from typing import Any
 
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
+from kvpool.hostmem import check_node_memory
+from kvpool.logs import RateLimited, configure_logging
 from kvpool.metrics.http import MetricsServer
 from kvpool.metrics.recorder import LabeledLatency
 from kvpool.metrics.server_collector import ServerCollector
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
-from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
+from kvpool.server.accept import AcceptBackoff, log_fd_limits, raise_fd_limit
 from kvpool.server.connection import Connection, Traffic
 from kvpool.server.store import NodeStore
 
@@ -68,6 +71,8 @@ class StorageNode:
         self.port: int = self.listener.getsockname()[1]
         self.host = srv.advertise_host or srv.host
         self.node_id = srv.node_id or f"{self.host}:{self.port}"
+        # Before the arena is taken (with dram.prefault: start it would lower MemAvailable).
+        check_node_memory(log, config.dram.capacity, config.pool.write_behind_bytes)
         try:
             # the node is the remote tier; it serves the pool's metrics with its own
             self.pool = KVPool(config, remote=False, serve_metrics=False)
@@ -129,7 +134,9 @@ class StorageNode:
             self._refuse(sock, limit)
             return
         self.count("connections_accepted")
-        self._start(Connection(self.store, self.traffic, sock), self._connections)
+        conn = Connection(self.store, self.traffic, sock)
+        conn.session.peer = conn.peer  # the store names the peer in its log (auth failures)
+        self._start(conn, self._connections)
 
     def _refuse(self, sock: socket.socket, limit: int) -> None:
         """Over max_connections: answer the first request BUSY (within auth_timeout_s), then
@@ -253,8 +260,7 @@ class StorageNode:
 def run(config: Config) -> int:
     """Run a node in this process until SIGTERM/SIGINT. Returns the exit status. Raises
     NodeStartError (a fixable setting), OSError (e.g. the port is taken)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log)
     raise_fd_limit(log)
     node = StorageNode(config)
     try:

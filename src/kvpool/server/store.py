@@ -78,11 +78,12 @@ class Session:
     """One connection as the store sees it: its identity and the namespaces it declared
     since its last AUTH (each holding a reference in the node's registry)."""
 
-    __slots__ = ("admin", "namespaces", "tenants")
+    __slots__ = ("admin", "namespaces", "peer", "tenants")
 
-    def __init__(self, tenants: frozenset[str] | None) -> None:
+    def __init__(self, tenants: frozenset[str] | None, peer: str | None = None) -> None:
         #: Tenants it may act for; None until AUTH succeeds (auth on).
         self.tenants = tenants
+        self.peer = peer  # the client's address, for the log (None: the transport gave none)
         self.admin = False  # AUTH with server.admin_token: node-wide STATS
         self.namespaces: dict[bytes, Namespace] = {}
 
@@ -164,9 +165,9 @@ class NodeStore:
             self.tenant_counts.add(tenant, name, n)
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self) -> Session:
-        """A new connection: authenticated at once when auth is off."""
-        session = Session(None if self.auth.enabled else frozenset())
+    def open_session(self, peer: str | None = None) -> Session:
+        """A new connection (from ``peer``, host:port): authenticated at once when auth is off."""
+        session = Session(None if self.auth.enabled else frozenset(), peer)
         self._sessions.add(session)
         return session
 
@@ -183,7 +184,7 @@ class NodeStore:
     def authenticate(self, session: Session, token: bytes) -> bytes:
         """AUTH: a new identity that starts with nothing declared (what the previous token
         declared must not stay reachable under this one). Returns the hello to answer with.
-        Raises Refused(AUTH_FAILED, close) for an unknown token."""
+        Raises Refused(AUTH_FAILED, close) for an unknown token (counted, logged: auth.py)."""
         self._drop_namespaces(session)
         if not self.auth.enabled:
             session.tenants = frozenset()
@@ -195,6 +196,7 @@ class NodeStore:
         tenants = self.auth.tenants_for(token)
         if tenants is None:
             self.counters.add("auth_failures")
+            self.auth.log_failure(self.node_id, session.peer)
             raise Refused(Status.AUTH_FAILED, "unknown token", close=True)
         session.tenants = tenants
         return self._hello(session, sorted(tenants))

@@ -1,8 +1,9 @@
 """The checks that make an SSD read a hit or a counted miss (engine.py's read path): a read
 is admitted (indexed, under the asked namespace, into a buffer of the record's size), read
 (reader.py: one record, or a run of back-to-back ones), then its header and payload checked
-(key, namespace, length, payload checksum). A record that fails is dropped from the index and
-counted (``checksum_failures``); an IO error is counted (``io_errors``) and keeps the record.
+(key, namespace, length, payload checksum). A record that fails is dropped from the index,
+counted (``checksum_failures``) and logged (event ``checksum_failure``, rate-limited); an IO
+error is counted (``io_errors``) and keeps the record.
 
 Thread-safe: called from the caller's thread and the engine's IO threads at once; the
 counters are thread-safe and the index is touched only under the engine lock it is given.
@@ -17,6 +18,7 @@ from concurrent.futures import Executor
 
 from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError, CorruptRecordError
+from kvpool.logs import RateLimited
 from kvpool.record import BLOCK, HEADER_BLOCK, record_size
 from kvpool.ssd.directio import ThreadBuffers
 from kvpool.ssd.index import CompactIndex, Location, NamespaceIds
@@ -24,6 +26,9 @@ from kvpool.ssd.reader import RecordRead, read_record, read_run
 from kvpool.ssd.segments import SegmentStore
 
 log = logging.getLogger("kvpool.ssd")
+
+#: Bytes of a key a log line shows (in hex): enough to tell records apart, not the address.
+KEY_PREFIX_BYTES = 4
 
 
 class ReadChecks:
@@ -37,6 +42,7 @@ class ReadChecks:
         self._store, self._buffers, self._pieces = store, buffers, pieces
         self._counters, self._lock, self._index, self._ns = counters, lock, index, ns
         self._pipeline_min, self._piece = pipeline_min, piece
+        self._say_corrupt = RateLimited()
 
     def admit(self, loc: Location | None, out: memoryview, namespace_id: bytes | None) -> bool:
         """Count a get; False (a counted miss) when the key is not indexed (``loc`` None) or
@@ -149,8 +155,18 @@ class ReadChecks:
         return self.miss()
 
     def corrupt(self, key: bytes, loc: Location, why: str) -> bool:
+        """Count, log (event checksum_failure, at most one line per LOG_INTERVAL_S with the
+        number held back; the key as a short hex prefix), drop the record, miss."""
         self._counters.add("checksum_failures")
-        log.warning("ssd: corrupt record %s (%s); dropped and served as a miss", key.hex(), why)
+        held = self._say_corrupt.due()
+        if held is not None:
+            prefix, offset = key[:KEY_PREFIX_BYTES].hex(), loc.block * BLOCK
+            log.warning("ssd: corrupt record %s... in segment %d at offset %d (%s); dropped and "
+                        "served as a miss%s", prefix, loc.segment, offset, why,
+                        f" ({held} more since the last report)" if held else "",
+                        extra={"event": "checksum_failure", "segment": loc.segment,
+                               "offset": offset, "key_prefix": prefix, "reason": why,
+                               "held_back": held})
         with self._lock:
             if self._index.get(key) == loc:
                 self._index.remove(key)

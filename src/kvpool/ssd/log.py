@@ -183,6 +183,7 @@ class SegmentLog:
             sealed = self._seal_active()
             victim, picked = self._pick_victim() if not self.free else (-1, [])
             forward: list[tuple[bytes, int, memoryview]] = []
+            dropped = 0
             self._cond.release()
             try:
                 if sealed is not None:
@@ -191,11 +192,16 @@ class SegmentLog:
             finally:
                 self._cond.acquire()
                 if victim >= 0:  # even after an unexpected error: never leak the segment
-                    self._evict(victim, len(forward))
+                    dropped = self._evict(victim, len(forward))
             seg_no = self.free.pop()
             seg = self.segments[seg_no] = Segment(ACTIVE, self._next_seq())
             placed = self._place_forward(seg, forward)
             self._cond.release()
+            if victim >= 0:  # logged off the lock: readers do not wait for the log's IO
+                log.info("ssd: evicted segment %d: %d records dropped, %d copied forward",
+                         victim, dropped, len(forward),
+                         extra={"event": "segment_evicted", "segment": victim,
+                                "records_dropped": dropped, "copied_forward": len(forward)})
             try:
                 landed = self._write_head(seg_no, seg.start_seq, placed)
             except BaseException:
@@ -284,15 +290,17 @@ class SegmentLog:
                 self._counters.add("checksum_failures")
         return forward
 
-    def _evict(self, victim: int, forwarded: int) -> None:
+    def _evict(self, victim: int, forwarded: int) -> int:
         """Drop every entry still in ``victim`` (copied-forward ones come back in
-        ``_index_forward``) and free it. Lock held."""
+        ``_index_forward``) and free it; returns the records dropped. Lock held."""
         slots = self._index.slots_where(segment=victim)
         self._index.remove_slots(slots)
+        dropped = max(0, int(slots.size) - forwarded)
         self._counters.add("segments_evicted")
-        self._counters.add("records_evicted", max(0, int(slots.size) - forwarded))
+        self._counters.add("records_evicted", dropped)
         self.segments[victim] = Segment()
         self.free.append(victim)
+        return dropped
 
     def _place_forward(self, seg: Segment, forward: list[tuple[bytes, int, memoryview]]
                        ) -> list[tuple[int, int, RecordHeader, memoryview]]:

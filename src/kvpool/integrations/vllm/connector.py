@@ -155,6 +155,12 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             workers = []
         self._sched.set_workers(workers)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM hands the scheduler's block pool over once built; offload_threshold reads
+        its KV usage (BlockPool.get_usage), nothing else of it."""
+        if self._sched is not None:
+            self._sched.bind_usage(gpu_block_pool.get_usage)
+
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None

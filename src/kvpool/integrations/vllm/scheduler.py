@@ -4,6 +4,10 @@ Keys are computed here from the prompt and each worker rank's namespace (receive
 handshake), so the metadata carries pool keys and block ids only. With tensor parallelism the
 usable prefix is the minimum of the ranks' answers (each rank stores its own shard).
 
+With ``offload_threshold`` > 0 a request is saved only when the engine's KV usage (from the
+block pool vLLM binds, ``bind_usage``) is at least the threshold as its first chunk completes;
+the decision holds for the whole request. Without a bound block pool every request is saved.
+
 Failure contract: nothing here raises into the scheduler for pool faults. Before the
 handshake, for requests kvpool cannot key (LoRA, multimodal inputs, prompt embeddings) and
 when a worker does not answer, a lookup is a miss and nothing is stored.
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.integrations.vllm.lookup import LookupClient
@@ -42,6 +46,36 @@ class SchedulerSide:
         self.clients: list[LookupClient] = []
         self._memo: OrderedDict[str, tuple[list[tuple[bytes, ...]], int]] = OrderedDict()
         self._plans: dict[str, RequestPlan] = {}
+        self._usage: Callable[[], float] | None = None
+        self._saving: dict[str, bool] = {}  # per request: the offload_threshold decision
+        #: Prompt chunks not saved because KV usage was below offload_threshold.
+        self.skipped_chunks = 0
+        self._warned_unbound = False
+
+    def bind_usage(self, usage: Callable[[], float]) -> None:
+        """``usage()`` -> the engine's KV cache usage in [0, 1] (vLLM's BlockPool.get_usage),
+        read when offload_threshold decides whether a request is saved."""
+        self._usage = usage
+
+    def _keeps(self, req_id: str, chunks: int) -> bool:
+        """Whether this request's stores go ahead (decided at its first, then kept)."""
+        threshold = self.settings.offload_threshold
+        if threshold <= 0:
+            return True
+        saving = self._saving.get(req_id)
+        if saving is None:
+            if self._usage is None:
+                if not self._warned_unbound:
+                    self._warned_unbound = True
+                    log.warning("kvpool: offload_threshold=%g, but vLLM bound no block pool "
+                                "to the connector; every request is saved", threshold)
+                saving = True
+            else:
+                saving = self._usage() >= threshold
+            self._saving[req_id] = saving
+        if not saving:
+            self.skipped_chunks += chunks
+        return saving
 
     def set_workers(self, workers: Sequence[tuple[Namespace, str]]) -> None:
         """(namespace, lookup address) per tensor-parallel rank, rank order."""
@@ -101,7 +135,7 @@ class SchedulerSide:
             load, store = plan.step(computed_before[req_id], n, block_table(req_id))
             if load is not None:
                 loads.append(load)
-            if store is not None:
+            if store is not None and self._keeps(req_id, len(store.chunks)):
                 stores.append(store)
         return loads, stores
 
@@ -113,6 +147,7 @@ class SchedulerSide:
     def finished(self, req_id: str) -> None:
         self._plans.pop(req_id, None)
         self._memo.pop(req_id, None)
+        self._saving.pop(req_id, None)
 
     def close(self) -> None:
         for c in self.clients:

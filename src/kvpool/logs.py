@@ -1,0 +1,96 @@
+"""Structured logs: the ``log`` config section, text or JSON lines, rate-limited events.
+
+kvpool logs through ``logging`` under ``kvpool.*``. A significant event is one line whose
+record carries ``extra={"event": NAME, ...fields}``: text logs show the message (which names
+the figures), JSON logs one object per line with ts, level, logger, event, message and the
+fields. The events: ``node_joined`` / ``node_left`` (a client's etcd membership),
+``segment_evicted`` (SSD), ``checksum_failure`` (SSD read: segment, offset, a key prefix;
+rate-limited), ``auth_failure`` (a node refused a token: peer), ``memory_reserve`` (a node's
+start-up memory check).
+
+Only commands configure logging (``configure_logging``): ``kvpool serve`` and ``kvpool demo``.
+An embedded pool never touches its host process's logging (vLLM's, an application's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from kvpool.config import LogConfig
+
+#: Default interval of RateLimited messages.
+LOG_INTERVAL_S = 10.0
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+#: Attributes every LogRecord has; anything else on a record came from ``extra``.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event, message, then the record's extra
+    fields (values JSON cannot hold are written as their str) and ``exc`` for a traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": getattr(record, "event", None),
+            "message": record.getMessage(),
+        }
+        for name, value in vars(record).items():
+            if name not in _RECORD_ATTRS and name not in doc:
+                doc[name] = value
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+#: Marks the handler configure_logging installed, so a second call replaces it.
+_OURS = "_kvpool_handler"
+
+
+def configure_logging(cfg: LogConfig, stream: IO[str] | None = None) -> logging.Handler:
+    """Send every logger's records at ``cfg.level`` and above to ``stream`` (stderr) as
+    ``cfg.format``. Replaces the handler an earlier call installed; leaves other handlers
+    alone. Returns the handler. Never raises for a valid LogConfig."""
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, _OURS, False)]:
+        root.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler.setFormatter(JsonFormatter() if cfg.format == "json"
+                         else logging.Formatter(TEXT_FORMAT))
+    setattr(handler, _OURS, True)
+    root.addHandler(handler)
+    root.setLevel(cfg.level.upper())
+    return handler
+
+
+class RateLimited:
+    """At most one message per ``interval_s``; counts the ones held back. Thread-safe."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def due(self) -> int | None:
+        """None: stay quiet (counted). Else: say it now, mentioning the returned number of
+        messages held back since the last one."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.interval_s:
+                self._held += 1
+                return None
+            held, self._held, self._last = self._held, 0, now
+        return held
