@@ -16,7 +16,7 @@ from test_ssd_corruption import CHUNK, NS, data, engine_at, fill, flip_bit, key,
 
 from kvpool.config import LogConfig, config_from_dict
 from kvpool.errors import ConfigError
-from kvpool.logs import RateLimited, configure_logging
+from kvpool.logs import JsonFormatter, RateLimited, configure_logging
 from kvpool.record import HEADER_BLOCK
 from kvpool.ssd.engine import SsdEngine
 
@@ -124,3 +124,46 @@ def test_segment_eviction_is_one_json_line(tmp_path: Path, logs: Captured) -> No
     assert evicted >= 1 and len(lines) == evicted
     assert lines[0]["records_dropped"] == 14 and lines[0]["copied_forward"] == 0
     assert isinstance(lines[0]["segment"], int)
+
+
+class _SlowSink:
+    """A write-behind sink that blocks until released, so its queue fills."""
+
+    def __init__(self) -> None:
+        import threading
+        self.go = threading.Event()
+
+    def put_many(self, items: Any) -> int:
+        self.go.wait(30)
+        return len(list(items))
+
+
+def test_a_burst_of_dropped_saves_is_one_json_line(logs: Captured) -> None:
+    from kvpool.tiers.staging import WriteBehind
+    sink = _SlowSink()
+    queue = WriteBehind(sink, max_bytes=4 * CHUNK, batch=1, label="ssd")
+    try:
+        offered = [queue.offer(key(i), NS, data(i)) for i in range(12)]
+        dropped = offered.count(False)
+        assert dropped >= 6 and queue.stats()["dropped"] == dropped
+    finally:
+        sink.go.set()
+        queue.close()
+    [line] = logs.events("dropped_save")  # the rest of the burst is held back
+    assert line["level"] == "warning" and line["logger"] == "kvpool.writebehind"
+    assert (line["queue"], line["cause"], line["dropped"]) == ("ssd_staging", "full", 1)
+
+
+def test_an_embedded_pool_configures_logging_only_when_told(tmp_path: Path) -> None:
+    from kvtest import small_config
+
+    from kvpool.pool import KVPool
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    with KVPool(small_config(tmp_path / "a")):
+        assert root.handlers == before  # the host's logging is left alone
+    with KVPool(small_config(tmp_path / "b", log={"configure": True, "format": "json"})):
+        ours = [h for h in root.handlers if h not in before]
+        assert len(ours) == 1 and isinstance(ours[0].formatter, JsonFormatter)
+    root.removeHandler(ours[0])
+    root.setLevel(level)

@@ -35,6 +35,7 @@ from kvpool.config import Config, load_config
 from kvpool.counters import Counters
 from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import Namespace
+from kvpool.logs import configure_logging
 from kvpool.metrics.http import MetricsServer
 from kvpool.metrics.pool_collector import PoolCollector
 from kvpool.metrics.recorder import OpLatency
@@ -88,6 +89,8 @@ class KVPool:
             raise ArgumentError(f"config must be a kvpool Config (load_config() or "
                                 f"config_from_dict({{...}})), got {type(config).__name__}")
         self.config = config if config is not None else load_config()
+        if self.config.log.configure:
+            configure_logging(self.config.log)
         self._namespaces: dict[bytes, Namespace] = {}
         self._lock = threading.Lock()
         self._closed = False

@@ -89,9 +89,9 @@ class Connection:
         self.sock = sock
         self.cfg: ServerConfig = store.cfg
         self.loop = asyncio.get_running_loop()
-        self.session = store.open_session()
-        self.refusal = refusal
         self.peer = _peer_name(sock)
+        self.session = store.open_session(self.peer)  # the store names it in auth failures
+        self.refusal = refusal
         self.last_io = self.loop.time()  # the node's sweeper closes idle or stalled peers
         self.accepted = self.last_io
         self.cut_off: str | None = None  # why the sweeper closed it (a counter's name)

@@ -134,9 +134,7 @@ class StorageNode:
             self._refuse(sock, limit)
             return
         self.count("connections_accepted")
-        conn = Connection(self.store, self.traffic, sock)
-        conn.session.peer = conn.peer  # the store names the peer in its log (auth failures)
-        self._start(conn, self._connections)
+        self._start(Connection(self.store, self.traffic, sock), self._connections)
 
     def _refuse(self, sock: socket.socket, limit: int) -> None:
         """Over max_connections: answer the first request BUSY (within auth_timeout_s), then

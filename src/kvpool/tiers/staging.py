@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from kvpool.buffers import byte_view
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
+from kvpool.logs import RateLimited
 from kvpool.priority import lower_thread_priority
 from kvpool.ssd.directio import aligned_buffer
 from kvpool.tiers.base import Item, local_lookup
@@ -63,6 +64,7 @@ class WriteBehind:
         self._spare: defaultdict[int, list[memoryview]] = defaultdict(list)
         self._allocated = 0
         self._closed = False
+        self._drops_said = RateLimited()
         self._counters = dict.fromkeys(("offered", "offered_bytes", "written", "dropped",
                                         "write_errors"), 0)
         self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{label}",
@@ -95,16 +97,29 @@ class WriteBehind:
             if key in self._queue or key in self._writing:
                 return True
             buf = self._take_buffer(view.nbytes)
-            if buf is None:
+            if buf is not None:
+                self._counters["offered"] += 1
+                self._counters["offered_bytes"] += view.nbytes
+            else:
                 self._counters["dropped"] += 1
-                return False
-            self._counters["offered"] += 1
-            self._counters["offered_bytes"] += view.nbytes
+        if buf is None:
+            self._say_dropped()  # outside the lock: the queue's users never wait on a log
+            return False
         buf[:view.nbytes] = view
         with self._lock:
             self._queue[key] = _Staged(ns, buf, view.nbytes)
             self._cond.notify_all()
         return True
+
+    def _say_dropped(self) -> None:
+        """One WARNING per burst of drops (RateLimited), naming how many were held back."""
+        held = self._drops_said.due()
+        if held is not None:
+            log.warning("write-behind (%s): staging full (%d bytes), saves dropped%s",
+                        self._name, self._max_bytes,
+                        f" ({held + 1} since the last report)" if held else "",
+                        extra={"event": "dropped_save", "queue": self.label, "cause": "full",
+                               "dropped": held + 1})
 
     def put_many(self, items: Sequence[Item]) -> list[bool]:
         return [self.offer(key, ns, view) for key, ns, view in items]
