@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +151,9 @@ class NodeStore:
         self.tenant_counts = TenantCounters(self.auth.tenants)
         self.namespaces = NamespaceRegistry(pool, cfg.max_namespaces)
         self.started = time.time()
+        #: Whether ``kvpool admin drain`` drained this node (node.py sets it from etcd;
+        #: clients place no new chunks here, reads continue). Shown in STATS as ``draining``.
+        self.drained: Callable[[], bool] = lambda: False
         self._executor = executor
         self._sessions: set[Session] = set()
 
@@ -300,9 +303,24 @@ class NodeStore:
         return result
 
     async def invalidate(self, session: Session, ns_id: bytes) -> int:
-        """INVALIDATE: drop every chunk of a declared namespace; how many were dropped."""
-        ns = self._namespace_of(session, ns_id)
-        result: int = await self._off_loop(self.pool.invalidate, ns)
+        """INVALIDATE: drop every chunk of a namespace; how many copies were dropped. The
+        namespace need not be declared on this connection (``kvpool admin invalidate``
+        names it by id): the admin token (or any connection with auth off) may drop any id,
+        a tenant token one the node knows (its registry) to be of its tenants. Raises
+        Refused(FORBIDDEN) for another tenant's namespace or, with a tenant token, one the
+        node does not know the tenant of."""
+        ns = session.namespaces.get(ns_id)
+        if ns is None and self.auth.enabled and not session.admin:
+            known = self.namespaces.find(ns_id)
+            if known is None or known.tenant not in (session.tenants or ()):
+                raise Refused(Status.FORBIDDEN, f"namespace {ns_id.hex()} is not known here "
+                              "as one of this token's tenants (only the admin token may drop "
+                              "a namespace the node knows by id only)")
+            ns = known
+        if ns is not None:
+            self._count_tenant(ns.tenant, "requests")
+        result: int = await self._off_loop(self.pool.invalidate, ns if ns is not None
+                                           else ns_id)
         return result
 
     # ------------------------------------------------------------------ reads
@@ -387,15 +405,18 @@ class NodeStore:
 
     async def stats(self, session: Session, transport: dict[str, Any]) -> dict[str, Any]:
         """STATS as ``session`` may see them. With auth on, a tenant token gets the node's
-        identity and its own tenants' counters only; the admin token (and every connection
-        when auth is off) gets the node's counters, ``transport``'s figures (connections,
-        requests in flight), the registry's, every tier's and every tenant's."""
+        identity and its own tenants' counters and namespaces only; the admin token (and
+        every connection when auth is off) gets the node's counters (``draining`` among
+        them), ``transport``'s figures (connections, requests in flight), the registry's and
+        its namespaces, every tier's and every tenant's."""
         if self.auth.enabled and not session.admin:
-            return {"server": self._identity(),
-                    "tenants": self._tenant_table(session.tenants or frozenset())}
+            mine = session.tenants or frozenset()
+            return {"server": self._identity(), "tenants": self._tenant_table(mine),
+                    "namespaces": self.namespaces.listing(mine)}
         server: dict[str, Any] = self.counters.snapshot()
-        server.update(self._identity(), **transport, **self.namespaces.stats())
-        out: dict[str, Any] = {"server": server}
+        server.update(self._identity(), **transport, **self.namespaces.stats(),
+                      draining=self.drained())
+        out: dict[str, Any] = {"server": server, "namespaces": self.namespaces.listing(None)}
         if self.auth.enabled:
             out["tenants"] = self._tenant_table(self.auth.tenants)
         tiers = await self._off_loop(self.pool.stats)
