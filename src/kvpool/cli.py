@@ -25,8 +25,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a storage node (DRAM + SSD over the network)")
     server_cli.add_serve_arguments(serve)
     serve.set_defaults(func=server_cli.serve_from_args)
-    admin = sub.add_parser("admin", help="cluster administration")
-    server_cli.add_admin_arguments(admin)
+    admin = sub.add_parser("admin", help="cluster and media administration: nodes, stats, "
+                           "invalidate, drain, undrain, verify")
+    from kvpool.admin import cli as admin_cli
+    admin_cli.add_admin_arguments(admin)
     bench = sub.add_parser("bench", help="benchmarks beside their references")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
     storage = bench_sub.add_parser("storage", help="DRAM arena and SSD engine vs memcpy, "
