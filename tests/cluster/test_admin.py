@@ -17,7 +17,7 @@ from kvtest import byte_namespace, child_env, payload_for
 from node_process import NodeProcess
 
 from kvpool.cluster.etcd import EtcdClient
-from kvpool.cluster.membership import drained_key
+from kvpool.cluster.membership import StaticMembership, drained_key
 from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace
 from kvpool.net.client import ClusterClient
@@ -200,3 +200,28 @@ def test_drain_refuses_a_static_list_and_an_unknown_node(
     assert etcd.get(drained_key(cluster_name, "node-7")) is not None
     assert admin(config, "undrain", "node-7").returncode == 0
     assert etcd.get(drained_key(cluster_name, "node-7")) is None
+
+
+class _Drained(StaticMembership):
+    """A static list with one node drained (only etcd drains for real; placement is what is
+    under test here)."""
+
+    def drained_nodes(self) -> frozenset[str]:
+        return frozenset({"10.0.0.1:7000"})
+
+
+def test_with_two_replicas_reads_keep_the_drained_node_and_writes_skip_it() -> None:
+    addresses = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000", "10.0.0.4:7000"]
+    c = ClusterClient(ClusterConfig(nodes=addresses, replicas=2), _Drained(addresses))
+    ns = byte_namespace(CHUNK)
+    keys = [os.urandom(16) for _ in range(200)]
+    full = replicas(addresses, keys, 4)  # every node, best first
+    undrained = [[n for n in ranked if n != "10.0.0.1:7000"] for ranked in full]
+    assert c._write_placement(ns, keys) == [u[:2] for u in undrained]
+    reads = c._placement(ns, keys)
+    for ranked, read in zip(full, reads, strict=True):
+        # down to the second undrained node: the drained one too where it ranks above that
+        cut = max(ranked.index(n) for n in [m for m in ranked if m != "10.0.0.1:7000"][:2])
+        assert read == ranked[:cut + 1]
+    assert any("10.0.0.1:7000" in r for r in reads) and any(len(r) == 3 for r in reads)
+    c.close()

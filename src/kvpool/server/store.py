@@ -303,24 +303,18 @@ class NodeStore:
         return result
 
     async def invalidate(self, session: Session, ns_id: bytes) -> int:
-        """INVALIDATE: drop every chunk of a namespace; how many copies were dropped. The
-        namespace need not be declared on this connection (``kvpool admin invalidate``
-        names it by id): the admin token (or any connection with auth off) may drop any id,
-        a tenant token one the node knows (its registry) to be of its tenants. Raises
-        Refused(FORBIDDEN) for another tenant's namespace or, with a tenant token, one the
-        node does not know the tenant of."""
-        ns = session.namespaces.get(ns_id)
-        if ns is None and self.auth.enabled and not session.admin:
-            known = self.namespaces.find(ns_id)
-            if known is None or known.tenant not in (session.tenants or ()):
-                raise Refused(Status.FORBIDDEN, f"namespace {ns_id.hex()} is not known here "
-                              "as one of this token's tenants (only the admin token may drop "
-                              "a namespace the node knows by id only)")
-            ns = known
+        """INVALIDATE: drop every chunk of a namespace; the copies dropped. It need not be
+        declared here (``kvpool admin invalidate`` names an id): the admin token (or auth off)
+        may drop any id, a tenant token its tenants' namespaces the registry knows; anything
+        else raises Refused(FORBIDDEN)."""
+        ns = session.namespaces.get(ns_id) or self.namespaces.find(ns_id)
+        if self.auth.enabled and not session.admin and ns_id not in session.namespaces \
+                and (ns is None or ns.tenant not in (session.tenants or ())):
+            raise Refused(Status.FORBIDDEN, f"namespace {ns_id.hex()} is not known here as one "
+                          "of this token's tenants' (the admin token may drop any id)")
         if ns is not None:
             self._count_tenant(ns.tenant, "requests")
-        result: int = await self._off_loop(self.pool.invalidate, ns if ns is not None
-                                           else ns_id)
+        result: int = await self._off_loop(self.pool.invalidate, ns or ns_id)
         return result
 
     # ------------------------------------------------------------------ reads
