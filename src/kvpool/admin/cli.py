@@ -18,6 +18,7 @@ from kvpool.admin.common import (
     cluster_nodes,
     cluster_of,
     command,
+    console,
     drained_ids,
     load,
     on_nodes,
@@ -65,7 +66,6 @@ def admin_nodes(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
         return OK
-    from rich.console import Console
     from rich.table import Table
     table = Table(title=f"kvpool cluster {cluster.name!r}: {len(rows)} nodes")
     for col in ("node", "address", "up", "drained", "DRAM chunks", "DRAM MiB", "SSD chunks",
@@ -73,11 +73,10 @@ def admin_nodes(args: argparse.Namespace) -> int:
         table.add_column(col)
     for r in rows:
         table.add_row(r["node_id"], r["address"], "yes" if r["up"] else "NO",
-                      "DRAINED" if r["drained"] else "-",
-                      *(str(r[k]) if r[k] is not None else "-" for k in ("dram_entries",)),
-                      _mib(r["dram_used"]), str(r["ssd_records"] or "-"), _mib(r["ssd_used"]),
-                      str(r["uptime_s"] or "-"))
-    Console().print(table)
+                      "DRAINED" if r["drained"] else "-", _cell(r["dram_entries"]),
+                      _mib(r["dram_used"]), _cell(r["ssd_records"]), _mib(r["ssd_used"]),
+                      _cell(r["uptime_s"]))
+    console(140).print(table)
     return OK
 
 
@@ -92,7 +91,6 @@ def admin_stats(args: argparse.Namespace) -> int:
     if args.json:
         print_json({n: {"error": failed[n]} if n in failed else s for n, s in stats.items()})
         return FAILED if failed else OK
-    from rich.console import Console
     from rich.table import Table
     flat = {n: _flatten(s) for n, s in stats.items() if not isinstance(s, NodeFailure)}
     table = Table(title=f"kvpool cluster {cluster.name!r}: STATS of {len(nodes)} node(s)")
@@ -105,7 +103,7 @@ def admin_stats(args: argparse.Namespace) -> int:
         table.add_row("error", *(failed.get(n.node_id, "") for n in nodes))
     for name in names:
         table.add_row(name, *(_cell(flat.get(n.node_id, {}).get(name)) for n in nodes))
-    Console(width=max(100, 40 + 22 * len(nodes))).print(table)
+    console(max(100, 40 + 24 * len(nodes))).print(table)
     return FAILED if failed else OK
 
 
@@ -124,11 +122,7 @@ def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
+    return "-" if value is None else str(value)
 
 
 def _mib(value: Any) -> str:

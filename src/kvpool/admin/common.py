@@ -149,6 +149,13 @@ def drained_ids(cluster: ClusterConfig) -> frozenset[str]:
     return frozenset(kv.key.decode("utf-8", "replace")[len(prefix):] for kv in kvs)
 
 
+def console(width: int) -> Any:
+    """A rich Console: the terminal's width, or ``width`` columns when stdout is not a
+    terminal (rich would wrap tables at 80 there)."""
+    from rich.console import Console
+    return Console() if sys.stdout.isatty() else Console(width=width)
+
+
 def print_json(doc: Any) -> None:
     import json
     print(json.dumps(doc, indent=2, default=str))

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kvpool.admin.common import FAILED, OK, USAGE, AdminError, command, print_json
+from kvpool.admin.common import FAILED, OK, USAGE, AdminError, command, console, print_json
 from kvpool.errors import CacheDirLockedError
 
 
@@ -47,7 +47,6 @@ def admin_verify(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report.as_dict())
         return FAILED if report.damaged else OK
-    from rich.console import Console
     from rich.table import Table
     table = Table(title=f"{path}: segments of {report.segment_size} bytes")
     for col in ("segment", "state", "good", "bad", "torn", "tombstones", "skipped blocks",
@@ -59,15 +58,15 @@ def admin_verify(args: argparse.Namespace) -> int:
         table.add_row(str(s.number), s.state, *(str(v) for v in (
             s.good, s.bad, s.torn, s.tombstones, s.skipped_blocks)),
             s.summary + (f": {s.summary_detail}" if s.summary_detail else ""))
-    console = Console(width=120)
-    console.print(table)
+    out = console(120)
+    out.print(table)
     t = report.totals()
     for s in report.segments:
         for bad in s.bad_records:
-            console.print(f"segment {s.number}: record seq {bad['seq']} at offset "
+            out.print(f"segment {s.number}: record seq {bad['seq']} at offset "
                           f"{bad['offset']} (key {bad['key']}): {bad['problem']}")
     verdict = "DAMAGED" if report.damaged else "clean"
-    console.print(f"{verdict}: {t['used']} of {t['segments']} segments in use, {t['good']} good "
+    out.print(f"{verdict}: {t['used']} of {t['segments']} segments in use, {t['good']} good "
                   f"records, {t['bad']} bad, {t['torn']} torn, {t['skipped_blocks']} blocks "
                   f"between records that are not headers, {t['summary_mismatches']} summaries "
                   "that disagree with their records")
