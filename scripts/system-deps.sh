@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the system services kvpool's tests run on 127.0.0.1: etcd (membership) and
-# redis-server. Idempotent: does nothing when both binaries are already on PATH.
+# Installs the system services kvpool's tests run on 127.0.0.1: etcd (membership),
+# redis-server (a peer in benchmarks) and prometheus (scrapes a live node in the metrics
+# test). Idempotent: does nothing when the binaries are already on PATH.
 # The packages' own system services are never left running: tests start private instances
 # on free ports with their own data dirs, and a system etcd on :2379 would only get in the way.
 set -euo pipefail
@@ -14,6 +15,7 @@ fi
 need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 
 if [ "${#need[@]}" -eq 0 ]; then
     exit 0
@@ -43,7 +45,7 @@ export DEBIAN_FRONTEND=noninteractive
     --no-install-recommends "${need[@]}" >/dev/null
 
 # Belt and braces: if a service got started anyway (no policy-rc.d honoured, systemd), stop it.
-for svc in etcd redis-server; do
+for svc in etcd redis-server prometheus; do
     if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet "$svc" 2>/dev/null; then
         "${SUDO[@]}" systemctl stop "$svc" || true
         "${SUDO[@]}" systemctl disable "$svc" >/dev/null 2>&1 || true
@@ -52,6 +54,6 @@ for svc in etcd redis-server; do
     fi
 done
 
-for bin in etcd redis-server; do
+for bin in etcd redis-server prometheus; do
     command -v "$bin" >/dev/null 2>&1 || { echo "system-deps: $bin still missing" >&2; exit 1; }
 done

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_METRICS = re.compile(r"metrics on port (\d+)")
 
 
 def node_config(base: Path, **sections: Any) -> dict[str, Any]:
@@ -48,6 +49,8 @@ class NodeProcess:
         self.port: int = int(self.config["server"].get("port", 0))
         self.proc: subprocess.Popen[str] | None = None
         self.log = base / "node.log"
+        #: The port of its /metrics (with server.metrics_port set), once started.
+        self.metrics_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -79,6 +82,8 @@ class NodeProcess:
             m = _LISTENING.search(line)
             if m:
                 self.port = int(m.group(2))
+                metrics = _METRICS.search(line)
+                self.metrics_port = int(metrics.group(1)) if metrics else None
                 return self
         raise RuntimeError("kvpool serve did not start in time")
 

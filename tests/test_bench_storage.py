@@ -11,6 +11,7 @@ import pytest
 
 from kvpool.bench import storage
 from kvpool.bench.stats import BenchFailure, PassResult, Timing, run_pass, split
+from kvpool.bench.storage_metrics import METRICS_CASES
 from kvpool.bench.storage_prefetch import PREFETCH_CHUNKS
 from kvpool.cli import main
 
@@ -28,6 +29,7 @@ REQUIRED_RATIOS = (
     "dram_get_vs_memcpy", "dram_put_vs_memcpy", "ssd_read_vs_raw", "ssd_write_vs_raw",
     "small_read_vs_file_per_chunk", "small_write_vs_file_per_chunk",
     "prefix_read_vs_file_per_chunk", "prefix_read_vs_sequential", "prefix_load_prefetch_vs_none",
+    "metrics_on_vs_off_get_into", "metrics_on_vs_off_get_many_into", "metrics_on_vs_off_lookup",
 )
 
 
@@ -65,6 +67,8 @@ def test_tiny_run_reports_every_case(tmp_path: Path) -> None:
         max(2, TINY.prefix_pass_bytes // (n * TINY.small_size)) for n in TINY.prefix_lengths)
     assert data["info"]["prefetched"] > 0  # the kvpool side's lookups moved chunks up
     assert f"prefetch/load {PREFETCH_CHUNKS} after lookup/{TINY.small_size}/1t" in cases
+    for case in METRICS_CASES:
+        assert f"metrics/{case}/{TINY.small_size}/1t" in cases
     for c in data["cases"]:
         for side in ("kvpool", "reference"):
             fig = c[side]

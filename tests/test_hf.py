@@ -315,3 +315,28 @@ def test_the_saver_yields_to_the_engine(model: Any, tmp_path: Path, saver_nice: 
         assert second.tokens == first.tokens
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == engine
         pc.close()
+
+
+def test_engine_metrics_count_tokens_and_ttft_through_the_pool_registry(
+        model: Any, tmp_path: Path) -> None:
+    from metrics_support import scrape, value
+    ids = prompt(200)  # 6 whole chunks of 32 tokens, and 8 tokens that are never saved
+    with pool_at(tmp_path) as pool:
+        pc = PrefixCache(model, pool, CHUNK_TOKENS)
+        pc.generate(ids, max_new_tokens=2)  # nothing cached: 6 chunks looked up, all miss
+        pc.flush()
+        pc.generate(ids, max_new_tokens=2)  # hit
+        pc.flush()
+        s = scrape(pool.metrics)
+        usable = (len(ids) - 1) // CHUNK_TOKENS * CHUNK_TOKENS  # tokens a lookup may find
+        hit = value(s, "kvpool_engine_lookup_tokens_total", engine="hf", result="hit")
+        miss = value(s, "kvpool_engine_lookup_tokens_total", engine="hf", result="miss")
+        assert (hit, miss) == (usable, usable)  # first request all miss, second all hit
+        assert value(s, "kvpool_engine_prefill_tokens_saved_total", engine="hf") == usable
+        saved = len(ids) // CHUNK_TOKENS * CHUNK_TOKENS
+        assert value(s, "kvpool_engine_stored_tokens_total", engine="hf") == saved
+        assert value(s, "kvpool_engine_ttft_seconds_count", engine="hf") == 2
+        # the pool's own view of the same hit
+        assert value(s, "kvpool_hit_tokens_total", tier="dram") == usable
+        pc.close()
+        assert not any(name.startswith("kvpool_engine") for name, _ in scrape(pool.metrics))

@@ -1,4 +1,4 @@
-"""``kvpool`` command line: demo, serve, admin, bench, config."""
+"""``kvpool`` command line: demo, serve, monitor, admin, bench, config."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a storage node (DRAM + SSD over the network)")
     server_cli.add_serve_arguments(serve)
     serve.set_defaults(func=server_cli.serve_from_args)
+    monitor = sub.add_parser("monitor", help="live view of /metrics endpoints: hit rate, "
+                             "bandwidth, latency per tier")
+    from kvpool.monitor import cli as monitor_cli
+    monitor_cli.add_arguments(monitor)
+    monitor.set_defaults(func=monitor_cli.run_from_args)
     admin = sub.add_parser("admin", help="cluster and media administration: nodes, stats, "
                            "invalidate, drain, undrain, verify")
     from kvpool.admin import cli as admin_cli

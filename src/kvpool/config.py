@@ -194,6 +194,7 @@ class ServerConfig(_Section):
     offload_bytes: Size = Field(512 << 10, description="While more than one request is in flight, a payload at least this large is received or sent on a network thread (the copy out of the kernel releases the GIL) instead of the event loop.")
     worker_threads: int = Field(0, ge=0, le=256, description="Threads for pool work the event loop must not wait on (lookups, SSD reads, deletes, durable commits, STATS). 0 = max(4, ssd.io_threads).")
     net_threads: int = Field(16, ge=1, le=256, description="Network threads that move large payloads (see offload_bytes).")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics at http://<host>:<metrics_port>/metrics (the node's pool, its tiers and its server; 0 = any free port). Registered in etcd beside the node's address, so kvpool monitor finds it. Unset: none.")
     inline_exists_keys: int = Field(4096, ge=0, description="An EXISTS or EXISTS_PREFIX of at most this many keys that arrives while no other request is in flight is probed on the event loop (in-memory index lookups) instead of a worker thread: the hop there and back cost more than the probe. 0 = always on a worker.")
 
     @model_validator(mode="after")
@@ -236,6 +237,15 @@ class ClusterConfig(_Section):
         return bool(self.nodes or self.etcd)
 
 
+class MetricsConfig(_Section):
+    """Prometheus metrics of an embedded pool or an engine's (a storage node serves its own
+    on server.metrics_port). docs/operations.md lists the metrics."""
+
+    enabled: bool = Field(True, description="Record latency histograms of pool calls (about 1 us per call); counters come from the tiers' own counts at scrape time and cost nothing. false: no histograms; the counters are still exported if a port is set.")
+    port: int | None = Field(None, ge=0, le=65535, description="Serve http://<host>:<port>/metrics from this process (0 = any free port). Unset: no HTTP server (the registry is still reachable as KVPool.metrics). A vLLM worker of tensor-parallel rank r serves port + r.")
+    host: str = Field("127.0.0.1", description="Address the metrics HTTP server listens on.")
+
+
 class Config(_Section):
     """Top-level kvpool settings."""
 
@@ -245,6 +255,7 @@ class Config(_Section):
     pool: PoolConfig = Field(default_factory=lambda: PoolConfig())
     cluster: ClusterConfig = Field(default_factory=lambda: ClusterConfig())
     server: ServerConfig = Field(default_factory=lambda: ServerConfig())
+    metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig())
 
     def ssd_path(self) -> Path:
         return Path(self.ssd.path).expanduser() if self.ssd.path else Path(self.cache_dir).expanduser() / "ssd"

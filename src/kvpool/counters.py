@@ -27,6 +27,13 @@ class Counters:
         with self._lock:
             self._values[name] = self._values.get(name, 0) + n
 
+    def add_many(self, pairs: dict[str, int]) -> None:
+        """Add several counts under one lock acquisition. Never raises."""
+        with self._lock:
+            values = self._values
+            for name, n in pairs.items():
+                values[name] = values.get(name, 0) + n
+
     def __getitem__(self, name: str) -> int:
         """The count of ``name``; 0 for a name never added to."""
         with self._lock:

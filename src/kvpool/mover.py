@@ -81,7 +81,7 @@ class Mover:
 
     def _job(self, ns: Namespace, keys: list[bytes], counter: str, count_hits: bool) -> int:
         moved = 0
-        add = self._counters.add if count_hits else _uncounted
+        add = self._counters.add_many if count_hits else None
         try:
             for start in range(0, len(keys), self._batch):
                 if self._closed:
@@ -98,6 +98,11 @@ class Mover:
                 self._idle.notify_all()
         return moved
 
+    def pending(self) -> int:
+        """Background moves queued or running now."""
+        with self._lock:
+            return self._pending
+
     def move_now(self, ns: Namespace, keys: list[bytes]) -> int:
         """Move ``keys`` up in the caller's thread, never waiting for a DRAM slot (a chunk
         that finds none stays below); the reads count as the tiers' hits. Keys another move
@@ -105,7 +110,7 @@ class Mover:
         Returns how many this call published. Read faults are misses (logged by the tiers);
         raises PoolClosedError when the pool closes meanwhile."""
         others: list[threading.Event] = []
-        moved = self._move(ns, keys, self._counters.add, wait=False, others=others)
+        moved = self._move(ns, keys, self._counters.add_many, wait=False, others=others)
         for done in others:
             done.wait(IN_FLIGHT_WAIT_S)
         return moved
@@ -132,8 +137,9 @@ class Mover:
                     del self._in_flight[key]
         done.set()
 
-    def _move(self, ns: Namespace, keys: list[bytes], add: Callable[[str, int], None],
-              wait: bool = True, others: list[threading.Event] | None = None) -> int:
+    def _move(self, ns: Namespace, keys: list[bytes],
+              add: Callable[[dict[str, int]], None] | None, wait: bool = True,
+              others: list[threading.Event] | None = None) -> int:
         """Reserve DRAM slots, claim the reserved keys no other move is reading (their
         movers' events go to ``others``), read the claimed ones straight into their slots,
         publish unless a removal ended meanwhile."""
@@ -148,7 +154,10 @@ class Mover:
                     slots[key] = slot
             claimed = self._claim(list(slots), done, others)
             views = [slots[key].view for key in claimed]
-            served = read_tiers(self._lower, ns, claimed, views, add)
+            counts: dict[str, int] | None = {} if add is not None else None
+            served = read_tiers(self._lower, ns, claimed, views, counts)
+            if add is not None and counts:
+                add(counts)
             moved = 0
             with self._publish:  # no removal runs between the check and the publish
                 if self._epoch == epoch:
@@ -184,7 +193,3 @@ class Mover:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
-
-
-def _uncounted(name: str, n: int) -> None:
-    pass

@@ -24,7 +24,10 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from time import perf_counter
 from typing import Any
+
+from prometheus_client.registry import CollectorRegistry
 
 from kvpool.buffers import byte_view
 from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
@@ -32,6 +35,9 @@ from kvpool.config import Config, load_config
 from kvpool.counters import Counters
 from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import Namespace
+from kvpool.metrics.http import MetricsServer
+from kvpool.metrics.pool_collector import PoolCollector
+from kvpool.metrics.recorder import OpLatency
 from kvpool.mover import Mover
 from kvpool.tiers.base import leading_run, read_tiers
 from kvpool.tiers.slots import PinnedView, SlotReservation
@@ -70,9 +76,14 @@ class ChunkReservation:
 
 class KVPool:
     """Embedded (in-process) pool. ``KVPool()`` uses the YAML config named by $KVPOOL_CONFIG
-    (or the defaults) with ``KVPOOL_*`` overrides; pass a Config to be explicit."""
+    (or the defaults) with ``KVPOOL_*`` overrides; pass a Config to be explicit.
 
-    def __init__(self, config: Config | None = None, remote: bool = True) -> None:
+    ``metrics`` is the pool's Prometheus registry (integrations add their collectors to it);
+    with ``metrics.port`` set (and ``serve_metrics``) it is served over HTTP from here:
+    opening raises OSError when that port cannot be bound."""
+
+    def __init__(self, config: Config | None = None, remote: bool = True,
+                 serve_metrics: bool = True) -> None:
         if config is not None and not isinstance(config, Config):
             raise ArgumentError(f"config must be a kvpool Config (load_config() or "
                                 f"config_from_dict({{...}})), got {type(config).__name__}")
@@ -87,6 +98,12 @@ class KVPool:
         self._stack = build_tiers(self.config, remote)
         self._tiers = self._stack.tiers
         self._front = self._stack.front
+        self._tier_index = {id(tier): i for i, tier in enumerate(self._tiers)}
+        self._latency = OpLatency([t.label for t in self._tiers]) \
+            if self.config.metrics.enabled else None
+        self.metrics = CollectorRegistry(auto_describe=False)
+        self.metrics.register(PoolCollector(self.stats, self._latency))
+        self._metrics_server: MetricsServer | None = None
         self._mover: Mover | None = None
         if self._front is not None and len(self._tiers) > 1:
             self._mover = Mover(self._front, self._stack.lower(), self._counters,
@@ -95,6 +112,19 @@ class KVPool:
                                 self.config.pool.background_nice)
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
+        port = self.config.metrics.port
+        if serve_metrics and port is not None:
+            try:
+                self._metrics_server = MetricsServer(self.metrics, self.config.metrics.host,
+                                                     port)
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this pool serves its metrics (None: not served)."""
+        return self._metrics_server.url if self._metrics_server is not None else None
 
     # ------------------------------------------------------------------ namespaces
     def register_namespace(self, ns: Namespace) -> Namespace:
@@ -156,16 +186,21 @@ class KVPool:
         published, otherwise a copy is put, marked as held below so its eviction is no
         demotion). Returns how many count as stored: durable = on the acknowledging tier;
         else held by any tier."""
+        started = perf_counter()
+        timings: list[tuple[int, float]] = []
         lower = [(k, ns, v) for k, ns, v, _ in items]
         on_lower = [False] * len(items)
         acked = on_lower
         for tier in self._stack.through:
+            tier_started = perf_counter()
             flags = tier.put_many(lower)
+            timings.append((self._tier_index[id(tier)], perf_counter() - tier_started))
             if tier is self._stack.ack:
                 acked = flags
             on_lower = [a or b for a, b in zip(on_lower, flags, strict=True)]
         front = self._front
         held = list(on_lower)
+        front_started = perf_counter()
         for i, (key, ns, view, slot) in enumerate(items):
             if slot is not None:
                 held[i] = slot.commit() or held[i]
@@ -173,6 +208,11 @@ class KVPool:
                     front.mark_on_lower(key)
             elif front is not None:
                 held[i] = front.put(key, ns, view, on_lower=on_lower[i]) or held[i]
+        if self._latency is not None:
+            now = perf_counter()
+            if front is not None:
+                timings.append((0, now - front_started))
+            self._latency.record_at("put", now - started, timings)
         return sum(acked if self.durable_puts else held)
 
     def reserve(self, ns: Namespace, key: bytes,
@@ -234,12 +274,21 @@ class KVPool:
         views = [byte_view(o, writable=True) for o in outs]
         for view in views:
             check_size(ns, view, "output buffer")
-        served = read_tiers(self._tiers, ns, keys, views, self._counters.add)
-        self._counters.add("misses", served.count(-1))
+        started = perf_counter()
+        timings: list[float] | None = [] if self._latency is not None else None
+        counts: dict[str, int] = {}
+        served = read_tiers(self._tiers, ns, keys, views, counts, timings)
+        misses = served.count(-1)
+        if misses:
+            counts["misses"] = misses
+            counts["miss_tokens"] = misses * ns.layout.chunk_tokens
+        self._counters.add_many(counts)
         if self._mover is not None and self.config.pool.promote_on_hit:
             below = [k for k, tier in zip(keys, served, strict=True) if tier > 0]
             if below:
                 self._mover.submit(ns, below, "promotions", "promotions_skipped", False)
+        if self._latency is not None and timings is not None:
+            self._latency.record("get", perf_counter() - started, timings)
         return [tier >= 0 for tier in served]
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> Future[int] | None:
@@ -269,7 +318,9 @@ class KVPool:
         if self._front is None:
             return [None] * len(keys)
         views = [self._front.view(key, ns.id, count_miss=False) for key in keys]
-        self._counters.add("dram_hits", sum(v is not None for v in views))
+        pinned = sum(v is not None for v in views)
+        self._counters.add_many({"dram_hits": pinned, "dram_hit_bytes": pinned * ns.chunk_bytes,
+                                 "dram_hit_tokens": pinned * ns.layout.chunk_tokens})
         if fetch and self._mover is not None:
             missing = [i for i, v in enumerate(views) if v is None]
             if missing:  # moved by this call or by a move it waited for
@@ -308,13 +359,18 @@ class KVPool:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 chunks, got {prefetch}")
         self._registered(ns, keys)
-        self._counters.add("lookups")
+        started = perf_counter()
+        timings: list[float] = []  # entry i: tier i (asked in order from the first)
         n = len(self._held_locally(ns.id, keys, stop_at_miss=True))
         for tier in self._tiers:
             if n == len(keys):
                 break
+            tier_started = perf_counter()
             n += tier.lookup(ns, keys[n:])
-        self._counters.add("lookup_hit_chunks", n)
+            timings.append(perf_counter() - tier_started)
+        self._counters.add_many({"lookups": 1, "lookup_hit_chunks": n})
+        if self._latency is not None:
+            self._latency.record("lookup", perf_counter() - started, timings)
         if prefetch and n and self._mover is not None:
             self._mover.submit(ns, keys[:n], "prefetched", "prefetch_skipped", True,
                                limit=prefetch)
@@ -380,6 +436,10 @@ class KVPool:
         """Counters per tier: hits, misses, evictions, checksum failures, dropped saves..."""
         self._check_open()
         out: dict[str, Any] = {"pool": self._counters.snapshot()}
+        if self._stack.demoter is not None:
+            out["pool"].update(self._stack.demoter.demoted.snapshot())
+        if self._mover is not None:
+            out["pool"]["mover_pending"] = self._mover.pending()
         for tier in self._tiers:
             *path, leaf = tier.stats_key
             node = out
@@ -394,6 +454,8 @@ class KVPool:
         if self._closed:
             return
         self._closed = True
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         if self._mover is not None:
             self._mover.close()
         self._stack.close()

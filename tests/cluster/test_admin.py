@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
 def nodes(tmp_path: Path, etcd_endpoint: str,
           cluster_name: str) -> Iterator[dict[str, NodeProcess]]:
     cluster = {"etcd": [etcd_endpoint], "name": cluster_name, "lease_ttl_s": 2.0}
-    procs = {n: NodeProcess(tmp_path / n, cluster=cluster, server={"node_id": n}) for n in IDS}
+    procs = {n: NodeProcess(tmp_path / n, cluster=cluster, server={"node_id": n, "metrics_port": 0})
+             for n in IDS}
     for proc in procs.values():
         proc.start()
     yield procs
@@ -81,6 +83,14 @@ def read_all(c: ClusterClient, ns: Namespace, keys: list[bytes]) -> bool:
     hits = c.get_many_into(ns, keys, outs)
     return all(hits) and all(np.array_equal(o, payload_for(k, CHUNK))
                              for k, o in zip(keys, outs, strict=True))
+
+
+def draining_gauge(proc: NodeProcess) -> float:
+    """kvpool_server_draining as the node's /metrics serves it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics") as answer:
+        text = answer.read().decode()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("kvpool_server_draining ")]
+    return float(line.split()[1])
 
 
 def held_by(proc: NodeProcess, ns: Namespace, keys: list[bytes]) -> list[bytes]:
@@ -160,6 +170,7 @@ def test_drain_stops_new_puts_landing_while_reads_still_hit_and_undrain_restores
     wait_for(lambda: c.drained_nodes() == {"node-0"}, 10, "the client sees the drain")
     conn = NodeConnection(nodes["node-0"].address)
     wait_for(lambda: conn.stats()["server"]["draining"] is True, 10, "the node sees it")
+    assert draining_gauge(nodes["node-0"]) == 1 and draining_gauge(nodes["node-1"]) == 0
     during = [os.urandom(16) for _ in range(60)]
     put(c, ns, during)
     assert held_by(nodes["node-0"], ns, during) == []  # nothing new landed there
@@ -174,6 +185,7 @@ def test_drain_stops_new_puts_landing_while_reads_still_hit_and_undrain_restores
     assert out.returncode == 0 and "undrained" in out.stdout
     wait_for(lambda: c.drained_nodes() == frozenset(), 10, "the client sees the undrain")
     wait_for(lambda: conn.stats()["server"]["draining"] is False, 10, "the node sees it")
+    assert draining_gauge(nodes["node-0"]) == 0
     after = [os.urandom(16) for _ in range(60)]
     put(c, ns, after)
     assert held_by(nodes["node-0"], ns, after) == \

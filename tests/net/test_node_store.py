@@ -287,7 +287,8 @@ def test_stats_list_namespaces_and_the_drain_flag(open_store: Store) -> None:
     assert stats["namespaces"] == [{"id": ns.id.hex(), "model": "listed", "revision": "main",
                                     "tenant": "t1", "chunk_bytes": CHUNK, "in_use": True}]
     assert stats["server"]["draining"] is False
-    store.drained = lambda: True
+    store.drain_flag = lambda: True
+    assert store.drained
     store.close_session(session)
     stats = s.run(store.stats(store.open_session(), {}))
     assert stats["server"]["draining"] is True and not stats["namespaces"][0]["in_use"]

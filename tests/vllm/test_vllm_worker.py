@@ -139,3 +139,45 @@ def test_a_lookup_reads_ahead_prefetch_window_tokens_of_an_ssd_prefix(
         assert stats["dram"]["entries"] == moved
     finally:
         w.close()
+
+
+def test_engine_metrics_are_served_per_rank_on_metrics_port_plus_rank(tmp_path: Path) -> None:
+    """A rank-1 worker serves metrics.port + 1: the lookups, loads and saves it did, in
+    tokens, beside its pool's own metrics."""
+    import socket
+
+    from metrics_support import scrape_url, value
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        base = int(sock.getsockname()[1]) - 1  # rank 1 gets the port just probed
+    settings = parse_settings({"chunk_tokens": 2 * BLOCK, "config": {
+        "cache_dir": str(tmp_path), "dram": {"capacity": "8MiB", "slab_size": "1MiB"},
+        "ssd": {"enabled": False}, "metrics": {"port": base}}}, BLOCK)
+    w = WorkerSide(settings, IDENT, 1, 2, num_blocks=NBLOCKS)
+    kv = caches(0)
+    try:
+        assert w.pool.metrics_url == f"http://127.0.0.1:{base + 1}/metrics"
+        w.register(kv)
+        key, other = b"k" * 16, b"x" * 16
+        keys = (b"0" * 16, key)  # each rank's key of the chunk
+        store = [ReqTransfer("r", (ChunkCopy(keys, (3, 5)),))]
+        for name in sorted(kv):
+            w.save_layer(name, kv[name], store)
+        w.end_step()
+        assert w.flush(10)
+        assert w.server is not None
+        assert w.server.lookup([key, other]) == 1
+        w.start_load([ReqTransfer("s", (ChunkCopy(keys, (7, 9)),))])
+        for name in sorted(kv):
+            w.wait_layer(name)
+        s = scrape_url(w.pool.metrics_url)
+        tokens = 2 * BLOCK  # one chunk
+        assert value(s, "kvpool_engine_lookup_tokens_total", engine="vllm", result="hit") \
+            == tokens
+        assert value(s, "kvpool_engine_lookup_tokens_total", engine="vllm", result="miss") \
+            == tokens
+        assert value(s, "kvpool_engine_prefill_tokens_saved_total", engine="vllm") == tokens
+        assert value(s, "kvpool_engine_stored_tokens_total", engine="vllm") == tokens
+        assert value(s, "kvpool_lookups_total") >= 1
+    finally:
+        w.close()

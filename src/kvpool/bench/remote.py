@@ -67,6 +67,8 @@ class RemotePlan:
     exists_calls: int = 400
     headline_size: int = 2 * MiB
     quick: bool = False
+    #: The node's metrics (histograms recorded, /metrics served) on or off.
+    metrics: bool = True
 
     @classmethod
     def quick_plan(cls) -> RemotePlan:
@@ -92,7 +94,9 @@ def _start_node(scratch: Path, plan: RemotePlan) -> Process:
            "dram": {"capacity": len(plan.sizes) * per_size, "slab_size": slab,
                     "prefault": "start"},
            "ssd": {"enabled": False},
-           "server": {"host": "127.0.0.1", "port": 0}}
+           "metrics": {"enabled": plan.metrics},
+           "server": {"host": "127.0.0.1", "port": 0,
+                      "metrics_port": 0 if plan.metrics else None}}
     path = scratch / "node.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return Process([sys.executable, "-m", "kvpool.cli", "serve", "--config", str(path)],
@@ -320,13 +324,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "more ops per pass, steadier figures on a loaded machine")
     parser.add_argument("--exists-calls", metavar="N", type=int, default=None,
                         help="timed 512-key lookups (default 400, --quick 150)")
+    parser.add_argument("--metrics", choices=("on", "off"), default="on",
+                        help="the node's metrics: on (default, as deployed: histograms and "
+                             "/metrics) or off, to measure what they cost")
 
 
 def _plan_from_args(args: argparse.Namespace) -> RemotePlan:
     """The plan the options ask for. Raises ValueError for a malformed or non-positive
     option."""
     plan = RemotePlan.quick_plan() if args.quick else RemotePlan()
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = {"metrics": args.metrics == "on"}
     if args.repeats is not None:
         if args.repeats < 1:
             raise ValueError("--repeats must be at least 1")

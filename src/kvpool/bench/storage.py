@@ -19,6 +19,8 @@ with the same number of threads:
   the same bytes (:mod:`kvpool.bench.storage_prefix`).
 * Prefetch: the load of an SSD-only prefix a few ms after ``KVPool.lookup(prefetch=N)`` vs
   after a lookup without it (:mod:`kvpool.bench.storage_prefetch`).
+* Metrics: KVPool calls on DRAM-resident chunks with metrics on vs off
+  (:mod:`kvpool.bench.storage_metrics`).
 
 Fairness rules: data is generated once (numpy random) and both sides write the very same
 buffers; each write pass goes to fresh keys / fresh preallocated space on both sides (after one
@@ -50,6 +52,7 @@ from rich.console import Console
 from kvpool.bench.stats import BenchFailure, Comparison, human_bytes, render_table
 from kvpool.bench.storage_common import Log, MiB, Plan, Run, Source
 from kvpool.bench.storage_dram import bench_dram
+from kvpool.bench.storage_metrics import METRICS_CASES, bench_metrics
 from kvpool.bench.storage_prefetch import PREFETCH_CHUNKS, bench_prefetch
 from kvpool.bench.storage_prefix import PREFIX_RATIOS, bench_prefix
 from kvpool.bench.storage_small import bench_small
@@ -121,6 +124,7 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         bench_small(run)
         bench_prefix(run)
         bench_prefetch(run)
+        bench_metrics(run)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
@@ -139,6 +143,8 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         "small_write_durable_vs_file_per_chunk": ("small", "write durable", small, 1),
         "prefix_load_prefetch_vs_none": ("prefetch", f"load {PREFETCH_CHUNKS} after lookup",
                                          small, 1),
+        **{f"metrics_on_vs_off_{case.split()[0]}": ("metrics", case, small, 1)
+           for case in METRICS_CASES},
     }
     ratios: dict[str, float] = {}
     ratio_basis: dict[str, str] = {}

@@ -95,6 +95,8 @@ class NodeInfo:
     node_id: str
     host: str
     port: int
+    #: Port of the node's /metrics endpoint (server.metrics_port), on ``host``; None: none.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_name("node id", self.node_id)
@@ -103,6 +105,10 @@ class NodeInfo:
         if isinstance(self.port, bool) or not isinstance(self.port, int) \
                 or not 0 < self.port < 65536:
             raise ValueError(f"node {self.node_id!r}: bad port {self.port!r}")
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not
+                                              isinstance(self.metrics_port, int) or
+                                              not 0 < self.metrics_port < 65536):
+            raise ValueError(f"node {self.node_id!r}: bad metrics port {self.metrics_port!r}")
 
     def address(self) -> str:
         """``"host:port"`` (IPv6 hosts in brackets)."""
@@ -111,8 +117,17 @@ class NodeInfo:
 
     def to_json(self) -> bytes:
         """The value stored in etcd."""
-        return json.dumps({"node_id": self.node_id, "host": self.host, "port": self.port},
-                          sort_keys=True).encode("utf-8")
+        doc: dict[str, Any] = {"node_id": self.node_id, "host": self.host, "port": self.port}
+        if self.metrics_port is not None:
+            doc["metrics_port"] = self.metrics_port
+        return json.dumps(doc, sort_keys=True).encode("utf-8")
+
+    def metrics_url(self) -> str | None:
+        """``http://host:metrics_port/metrics``, or None when the node serves no metrics."""
+        if self.metrics_port is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.metrics_port}/metrics"
 
     @classmethod
     def from_json(cls, data: bytes | str) -> NodeInfo:
@@ -124,7 +139,8 @@ class NodeInfo:
         if not isinstance(doc, dict):
             raise ValueError(f"node record is not a JSON object: {data[:100]!r}")
         try:
-            return cls(node_id=str(doc["node_id"]), host=str(doc["host"]), port=doc["port"])
+            return cls(node_id=str(doc["node_id"]), host=str(doc["host"]), port=doc["port"],
+                       metrics_port=doc.get("metrics_port"))
         except KeyError as exc:
             raise ValueError(f"node record lacks {exc.args[0]!r}: {data[:100]!r}") from exc
 

@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "block size with --trace)")
     parser.add_argument("--dram", default="2GiB", help="DRAM tier capacity of the kvpool mode")
     parser.add_argument("--ssd", default="8GiB", help="SSD tier capacity")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve the kvpool mode's Prometheus metrics on PORT and the "
+                             "kvpool-ssd mode's on PORT+1 while the demo runs (watch them with "
+                             "kvpool monitor --endpoint localhost:PORT)")
 
 
 def load_model(name: str, console: Console) -> tuple[Any, Any, str]:
@@ -102,7 +106,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     chunk_tokens, describe, make_streams = build_streams(args, tokenizer, model)
     settings = Settings(chunk_tokens=chunk_tokens, dram_bytes=parse_size(args.dram),
-                        ssd_bytes=parse_size(args.ssd),
+                        ssd_bytes=parse_size(args.ssd), metrics_port=args.metrics_port,
                         eos_token_id=None)  # fixed lengths: every mode generates as many tokens
     console.print(f"[bold]kvpool demo[/] model {model_id} ({model.dtype}), chunk "
                   f"{chunk_tokens} tokens; {describe}")

@@ -57,6 +57,8 @@ class Settings:
     dram_bytes: int = 2 << 30
     ssd_bytes: int = 8 << 30
     eos_token_id: int | None = None
+    #: Serve the kvpool modes' metrics on this port (kvpool) and the next (kvpool-ssd).
+    metrics_port: int | None = None
 
 
 @torch.inference_mode()
@@ -76,7 +78,7 @@ class ModeRun:
         self.mode, self.streams, self.settings = mode, streams, settings
         ns = namespace_for(model, settings.chunk_tokens, model_id=model_id)
         self.store = make_store(mode, workdir, ns.chunk_bytes, settings.dram_bytes,
-                                settings.ssd_bytes)
+                                settings.ssd_bytes, settings.metrics_port)
         try:
             self.cache = PrefixCache(model, self.store, settings.chunk_tokens, model_id=model_id)
             if self.store is not None:  # engines preallocate KV memory at start-up; so does

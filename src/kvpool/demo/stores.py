@@ -12,10 +12,14 @@ from kvpool.peers.file_pool import FilePerChunkPool
 from kvpool.pool import KVPool
 from kvpool.record import round_up
 
+#: With ``--metrics-port P``: the kvpool modes' pools serve their metrics on P + offset.
+METRICS_PORT_OFFSET = {"kvpool": 0, "kvpool-ssd": 1}
+
 
 def make_store(mode: str, workdir: Path, chunk_bytes: int, dram_bytes: int,
-               ssd_bytes: int) -> ChunkStore | None:
-    """None for recompute. Raises ValueError for an unknown mode."""
+               ssd_bytes: int, metrics_port: int | None = None) -> ChunkStore | None:
+    """None for recompute. Raises ValueError for an unknown mode, OSError when the metrics
+    port cannot be bound."""
     slab = max(64 << 20, round_up(chunk_bytes))
     segment = max(256 << 20, 2 * round_up(chunk_bytes + 4096))
     base: dict[str, Any] = {
@@ -23,6 +27,8 @@ def make_store(mode: str, workdir: Path, chunk_bytes: int, dram_bytes: int,
         "dram": {"capacity": dram_bytes, "slab_size": slab},
         "ssd": {"capacity": max(ssd_bytes, 2 * segment), "segment_size": segment},
     }
+    if metrics_port is not None and mode in METRICS_PORT_OFFSET:
+        base["metrics"] = {"port": metrics_port + METRICS_PORT_OFFSET[mode]}
     if mode == "recompute":
         return None
     if mode == "kvpool":

@@ -24,11 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
+from prometheus_client.registry import CollectorRegistry
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import KVLayout, Namespace
+from kvpool.metrics.engine import EngineCollector, EngineCounts
+from kvpool.metrics.recorder import LabeledLatency
 from kvpool.priority import lower_thread_priority
 
 log = logging.getLogger("kvpool.integrations.hf")
@@ -119,6 +122,10 @@ class PrefixCache:
     priority), so while it overlaps decode steps or the next prefill the scheduler gives the
     engine's threads the cores first. It is never starved: a nice thread still gets its share
     of a busy core, and a prefill that waits for it (read-your-writes) leaves it the core.
+
+    ``metrics`` exports the engine metrics (engine="hf": tokens looked up, loaded, saved;
+    TTFT of ``generate``); it is added to the store's registry when the store is a KVPool
+    (so its ``metrics.port`` serves them) and removed again by ``close``.
     """
 
     def __init__(self, model: Any, store: ChunkStore | None, chunk_tokens: int = 256,
@@ -140,6 +147,21 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.saved_chunks = 0
         self.dropped_saves = 0
+        self.lookup_chunks = self.lookup_hit_chunks = self.restored_tokens = 0
+        self.ttft = LabeledLatency()
+        self.metrics = EngineCollector("hf", self.engine_counts, self.ttft)
+        registry = getattr(store, "metrics", None)
+        self._registry = registry if isinstance(registry, CollectorRegistry) else None
+        if self._registry is not None:
+            self._registry.register(self.metrics)
+
+    def engine_counts(self) -> EngineCounts:
+        c = self.ns.chunk_tokens
+        with self._lock:
+            return EngineCounts(
+                lookup_hit_tokens=self.lookup_hit_chunks * c,
+                lookup_miss_tokens=(self.lookup_chunks - self.lookup_hit_chunks) * c,
+                prefill_tokens_saved=self.restored_tokens, stored_tokens=self.saved_chunks * c)
 
     # ------------------------------------------------------------------ restore
     def reserve(self, tokens: int) -> None:
@@ -309,6 +331,11 @@ class PrefixCache:
         cache, restored = self.restore(keys[:hit])
         t2 = time.perf_counter()
         cached = restored * self.ns.chunk_tokens
+        if self.store is not None:
+            with self._lock:
+                self.lookup_chunks += usable
+                self.lookup_hit_chunks += hit
+                self.restored_tokens += cached
         if cache is None:
             cache = DynamicCache(config=self.model.config)
         suffix = torch.tensor([ids[cached:]], dtype=torch.long)
@@ -329,6 +356,7 @@ class PrefixCache:
         pre, keys, restored = self._prefill(input_ids)
         token = int(torch.argmax(pre.logits))
         ttft = time.perf_counter() - start
+        self.ttft.record("hf", ttft)
         self.save_async(pre.cache, keys, restored)
         tokens = [token]
         cache = pre.cache
@@ -344,4 +372,7 @@ class PrefixCache:
     def close(self) -> None:
         self.flush()
         self._saver.shutdown(wait=True)
+        if self._registry is not None:
+            self._registry.unregister(self.metrics)
+            self._registry = None
 

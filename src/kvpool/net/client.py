@@ -263,7 +263,7 @@ class ClusterClient:
             entry = by_ns.setdefault(ns.id, (ns, [], []))
             entry[1].append(key)
             entry[2].append(data)
-        stored = 0
+        stored = stored_bytes = 0
         for ns, keys, datas in by_ns.values():
             placement = self._write_placement(ns, keys)
             per_node: defaultdict[str, list[int]] = defaultdict(list)
@@ -279,7 +279,9 @@ class ClusterClient:
                     for i in per_node[node_id]:
                         ok[i] = True
             stored += sum(ok)
-        self._counters.add("put_chunks", stored)
+            stored_bytes += sum(byte_view(d).nbytes for d, done in zip(datas, ok, strict=True)
+                                if done)
+        self._counters.add_many({"put_chunks": stored, "put_bytes": stored_bytes})
         return stored
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:

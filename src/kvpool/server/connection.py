@@ -30,11 +30,13 @@ import select
 import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
 from typing import Any
 
 from kvpool.buffers import advance
 from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES
+from kvpool.metrics.recorder import LabeledLatency
 from kvpool.net.protocol import (
     HEADER_BYTES,
     KEYED_OPS,
@@ -63,8 +65,10 @@ class Traffic:
     accept loop fills the table), the requests in flight, whether the node is draining (a
     connection closes after its current request), and the network threads."""
 
-    def __init__(self, net_threads: int) -> None:
+    def __init__(self, net_threads: int, latency: LabeledLatency | None = None) -> None:
         self.served: dict[asyncio.Task[None], Connection] = {}
+        #: Request latency per op (None: metrics.enabled false).
+        self.latency = latency
         self.inflight = 0
         self.draining = False
         self.net_executor = ThreadPoolExecutor(net_threads, thread_name_prefix="kvpool-node-net")
@@ -226,9 +230,11 @@ class Connection:
         except ValueError:
             raise ProtocolError(f"unknown opcode {req.op}") from None
         self._check_limits(op, req)
+        started = perf_counter()
         meta = memoryview(bytearray(req.meta_len))
         await self.recv_exact(meta)
-        self.count(f"op_{op.name.lower()}")
+        name = op.name.lower()
+        self.count(f"op_{name}")
         try:
             if self.refusal is not None:
                 raise Refused(Status.BUSY, self.refusal, close=True)
@@ -236,9 +242,13 @@ class Connection:
                 raise Refused(Status.AUTH_REQUIRED, "this node requires AUTH first", close=True)
             await self._dispatch(op, req, meta)
         except Refused as refused:
-            self.count("refused")
+            self.store.counters.add_many({"refused": 1,
+                                          f"refused_{refused.status.name.lower()}": 1})
             await self.reply(req, refused.status, meta=refused.message.encode())
             return not refused.close
+        finally:
+            if self.traffic.latency is not None:
+                self.traffic.latency.record(name, perf_counter() - started)
         return True
 
     def _check_limits(self, op: Op, req: Header) -> None:

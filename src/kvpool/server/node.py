@@ -29,6 +29,9 @@ from typing import Any
 
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
+from kvpool.metrics.http import MetricsServer
+from kvpool.metrics.recorder import LabeledLatency
+from kvpool.metrics.server_collector import ServerCollector
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, RateLimited, log_fd_limits, raise_fd_limit
@@ -54,7 +57,8 @@ class StorageNode:
         srv = config.server
         self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
-        self.traffic = Traffic(srv.net_threads)
+        self.traffic = Traffic(srv.net_threads,
+                               LabeledLatency() if config.metrics.enabled else None)
         self._connections = self.traffic.served
         self._refusing: dict[asyncio.Task[None], Connection] = {}
         self._say_refused = RateLimited()
@@ -65,7 +69,8 @@ class StorageNode:
         self.host = srv.advertise_host or srv.host
         self.node_id = srv.node_id or f"{self.host}:{self.port}"
         try:
-            self.pool = KVPool(config, remote=False)  # the node is the remote tier
+            # the node is the remote tier; it serves the pool's metrics with its own
+            self.pool = KVPool(config, remote=False, serve_metrics=False)
         except (ValueError, KVPoolError) as exc:  # tier geometry the media cannot hold
             self.listener.close()
             raise NodeStartError(str(exc)) from None
@@ -74,6 +79,20 @@ class StorageNode:
             raise
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
         self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
+        self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
+                                                   self._metrics_state, self.traffic.latency))
+        self.metrics_server: MetricsServer | None = None
+        if srv.metrics_port is not None:
+            try:
+                self.metrics_server = MetricsServer(self.pool.metrics, srv.host,
+                                                    srv.metrics_port)
+            except BaseException:
+                self.listener.close()
+                self.pool.close()
+                raise
+
+    def _metrics_state(self) -> dict[str, Any]:
+        return {"connections": len(self._connections), "draining": self.store.drained}
 
     def count(self, name: str, n: int = 1) -> None:
         self.store.counters.add(name, n)
@@ -166,8 +185,9 @@ class StorageNode:
             raise
         accept = asyncio.create_task(self._accept_loop())
         sweeper = asyncio.create_task(self._sweep_idle())
+        metrics = f", metrics on port {self.metrics_server.port}" if self.metrics_server else ""
         print(f"kvpool serve: node {self.node_id} listening on {self.host}:{self.port} "
-              f"(pid {os.getpid()})", flush=True)
+              f"(pid {os.getpid()}){metrics}", flush=True)
         log_fd_limits(log, self.config.server.max_connections)
         if ready is not None:
             ready.set()
@@ -194,9 +214,10 @@ class StorageNode:
         try:
             watch = EtcdMembership(cluster.etcd, cluster.name)
             self._drain_watch = watch
-            self.store.drained = lambda: self.node_id in watch.drained_nodes()
+            self.store.drain_flag = lambda: self.node_id in watch.drained_nodes()
+            metrics_port = self.metrics_server.port if self.metrics_server else None
             reg = NodeRegistration(cluster.etcd, cluster.name,
-                                   NodeInfo(self.node_id, self.host, self.port),
+                                   NodeInfo(self.node_id, self.host, self.port, metrics_port),
                                    cluster.lease_ttl_s)
             reg.start()
         except (EtcdError, ValueError) as exc:
@@ -226,8 +247,11 @@ class StorageNode:
         print(f"kvpool serve: node {self.node_id} stopped", flush=True)
 
     async def _release(self) -> None:
-        """Close the listener, the drain watch, the pool and the worker threads."""
+        """Close the listener, the metrics endpoint, the drain watch, the pool and the worker
+        threads."""
         self.listener.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self._drain_watch is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._drain_watch.close)
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)

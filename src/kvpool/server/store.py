@@ -151,11 +151,16 @@ class NodeStore:
         self.tenant_counts = TenantCounters(self.auth.tenants)
         self.namespaces = NamespaceRegistry(pool, cfg.max_namespaces)
         self.started = time.time()
-        #: Whether ``kvpool admin drain`` drained this node (node.py sets it from etcd;
-        #: clients place no new chunks here, reads continue). Shown in STATS as ``draining``.
-        self.drained: Callable[[], bool] = lambda: False
+        #: Where ``drained`` is read from: node.py sets it to this node's flag in etcd.
+        self.drain_flag: Callable[[], bool] = lambda: False
         self._executor = executor
         self._sessions: set[Session] = set()
+
+    @property
+    def drained(self) -> bool:
+        """True while ``kvpool admin drain`` has drained this node (clients place no new
+        chunks here; reads continue). STATS shows it as ``server.draining``."""
+        return self.drain_flag()
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -409,7 +414,7 @@ class NodeStore:
                     "namespaces": self.namespaces.listing(mine)}
         server: dict[str, Any] = self.counters.snapshot()
         server.update(self._identity(), **transport, **self.namespaces.stats(),
-                      draining=self.drained())
+                      draining=self.drained)
         out: dict[str, Any] = {"server": server, "namespaces": self.namespaces.listing(None)}
         if self.auth.enabled:
             out["tenants"] = self._tenant_table(self.auth.tenants)

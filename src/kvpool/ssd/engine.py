@@ -221,7 +221,10 @@ class SsdEngine:
                 p.ns_index = self._ns.number(p.header.namespace_id)
         self._append(pending)
         self._counters.add("puts", len(pending))
-        self._counters.add("put_bytes", sum(p.payload.nbytes for p in pending))
+        self._counters.add_many({
+            "put_bytes": sum(p.payload.nbytes for p in pending),
+            # what the log holds for them: a header block each, payloads padded to blocks
+            "log_bytes": sum(record_size(p.payload.nbytes) for p in pending)})
         return len(pending)
 
     def _append(self, pending: list[Pending]) -> None:

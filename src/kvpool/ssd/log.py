@@ -349,4 +349,4 @@ class SegmentLog:
                     self._counters.add("records_evicted")
                 continue
             self._index.put(header.key, seg_no, offset // BLOCK, len(buf) // BLOCK, ns_index)
-            self._counters.add("copied_forward")
+            self._counters.add_many({"copied_forward": 1, "log_bytes": len(buf)})

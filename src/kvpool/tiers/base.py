@@ -9,6 +9,7 @@ failure contract is the pool's: a miss, a fault of the media or a dead peer is a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any, Protocol
 
 from kvpool.keys import Namespace
@@ -20,6 +21,8 @@ Item = tuple[bytes, Namespace, memoryview]
 class Tier(Protocol):
     #: Names the pool's per-tier counters (``<name>_hits``).
     name: str
+    #: The ``tier`` label of its metrics (kvpool/metrics/catalogue.py TIERS).
+    label: str
     #: Where ``stats()`` goes in ``KVPool.stats()``, e.g. ("ssd",) or ("remote", "client").
     stats_key: tuple[str, ...]
 
@@ -102,24 +105,46 @@ def local_lookup(contains_many: Callable[[Sequence[bytes], bytes], list[bool]],
     return leading_run(contains_many(keys, namespace_id))
 
 
+_HIT_COUNTS: dict[str, tuple[str, str, str]] = {}
+
+
+def hit_counts(tier_name: str) -> tuple[str, str, str]:
+    """The pool's counter names for reads a tier served: hits, bytes, tokens."""
+    names = _HIT_COUNTS.get(tier_name)
+    if names is None:
+        names = _HIT_COUNTS[tier_name] = (f"{tier_name}_hits", f"{tier_name}_hit_bytes",
+                                          f"{tier_name}_hit_tokens")
+    return names
+
+
 def read_tiers(tiers: Sequence[Tier], ns: Namespace, keys: Sequence[bytes],
-               outs: Sequence[memoryview], add: Callable[[str, int], None]) -> list[int]:
+               outs: Sequence[memoryview], counts: dict[str, int] | None,
+               timings: list[float] | None = None) -> list[int]:
     """Read each key from the first tier (in order) that has it. Returns, per key, the index
-    of the tier that served it, or -1 for a miss. Counts ``<tier>_hits`` through ``add``
-    (once per tier and batch)."""
+    of the tier that served it, or -1 for a miss. Adds the hits, bytes and tokens each tier
+    served to ``counts`` (``hit_counts`` names them; None: not counted). With ``timings``,
+    appends the seconds of every tier asked: tiers are asked in order from the first, so
+    entry i is tier i's."""
     served = [-1] * len(keys)
     pending = list(range(len(keys)))
     for index, tier in enumerate(tiers):
         if not pending:
             break
+        started = perf_counter() if timings is not None else 0.0
         got = tier.get_many_into(ns, [keys[i] for i in pending], [outs[i] for i in pending])
+        if timings is not None:
+            timings.append(perf_counter() - started)
         still = []
         for i, hit in zip(pending, got, strict=True):
             if hit:
                 served[i] = index
             else:
                 still.append(i)
-        if len(still) < len(pending):
-            add(f"{tier.name}_hits", len(pending) - len(still))
+        hits = len(pending) - len(still)
+        if hits and counts is not None:
+            chunks, nbytes, tokens = hit_counts(tier.name)
+            counts[chunks] = counts.get(chunks, 0) + hits
+            counts[nbytes] = counts.get(nbytes, 0) + hits * ns.chunk_bytes
+            counts[tokens] = counts.get(tokens, 0) + hits * ns.layout.chunk_tokens
         pending = still
     return served

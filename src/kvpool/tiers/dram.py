@@ -27,6 +27,7 @@ class DramTier:
     ``demote`` (the pool gives it a Demoter writing to the tiers below), outside the lock."""
 
     name: str = "dram"
+    label: str = "dram"
     stats_key: tuple[str, ...] = ("dram",)
 
     def __init__(self, capacity: int, slab_size: int = 64 << 20, eviction: str = "s3fifo",

@@ -18,6 +18,7 @@ from kvpool.tiers.base import Item
 
 class RemoteTier:
     name: str = "remote"
+    label: str = "remote"
     stats_key: tuple[str, ...] = ("remote", "client")
 
     def __init__(self, cfg: ClusterConfig, membership: Membership | None = None) -> None:

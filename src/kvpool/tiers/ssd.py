@@ -21,6 +21,7 @@ log = logging.getLogger("kvpool.ssd")
 
 class SsdTier:
     name: str = "ssd"
+    label: str = "ssd"
     stats_key: tuple[str, ...] = ("ssd",)
 
     def __init__(self, engine: SsdEngine) -> None:

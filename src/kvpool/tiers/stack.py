@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool.config import Config
+from kvpool.counters import Counters
 from kvpool.keys import Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy
 from kvpool.ssd.engine import SsdEngine
@@ -40,11 +41,14 @@ class Demoter:
     def __init__(self, admission: AdmissionPolicy, targets: Sequence[Tier]) -> None:
         self._admission = admission
         self._targets = list(targets)
+        #: Victims handed to the targets (each target may still drop it, counted there).
+        self.demoted = Counters("demotions")
 
     def demote(self, key: bytes, ns: Namespace, payload: memoryview, hits: int,
                on_lower: bool) -> None:
         if on_lower or not self._targets or not self._admission.admit(key, hits):
             return
+        self.demoted.add("demotions")
         for target in self._targets:
             target.put_many([(key, ns, payload)])
 
@@ -65,6 +69,8 @@ class TierStack:
     drain_s: float = 0.0
     #: Chunks per write of the close drain.
     drain_batch: int = 16
+    #: The DRAM tier's demotion sink (None without DRAM).
+    demoter: Demoter | None = None
 
     def lower(self) -> list[Tier]:
         return [t for t in self.tiers if t is not self.front]
@@ -152,6 +158,7 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
             d = cfg.dram
             admission = make_admission_policy(cfg.ssd.admission, cfg.ssd.second_use_window)
             demoter = Demoter(admission, [ssd_staging] if ssd_staging is not None else [])
+            stack.demoter = demoter
             stack.front = DramTier(d.capacity, d.slab_size, d.eviction, d.shm_path,
                                    demote=demoter, put_wait_s=d.put_wait_s,
                                    prefault=d.prefault)

@@ -41,9 +41,9 @@ class BatchSink(Protocol):
 
 
 class WriteBehind:
-    """``label`` names the sink in thread names and logs; ``stats_key`` places the stats."""
-
-    name: str = "staged"
+    """``label`` names the sink in thread names and logs (and the tier, ``<label>_staging``,
+    in metrics); ``stats_key`` places the stats. The SSD's queue counts its hits as
+    ``staged_hits``, another's as ``<label>_staged_hits``."""
 
     def __init__(self, sink: BatchSink, max_bytes: int, batch: int = 16,
                  label: str = "ssd", stats_key: tuple[str, ...] = ("write_behind",),
@@ -51,6 +51,8 @@ class WriteBehind:
         self._sink = sink
         self._nice = nice
         self._name = label
+        self.name = "staged" if label == "ssd" else f"{label}_staged"
+        self.label = f"{label}_staging"
         self.stats_key = stats_key
         self._max_bytes = max_bytes
         self._batch = batch
@@ -61,7 +63,8 @@ class WriteBehind:
         self._spare: defaultdict[int, list[memoryview]] = defaultdict(list)
         self._allocated = 0
         self._closed = False
-        self._counters = dict.fromkeys(("offered", "written", "dropped", "write_errors"), 0)
+        self._counters = dict.fromkeys(("offered", "offered_bytes", "written", "dropped",
+                                        "write_errors"), 0)
         self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{label}",
                                         daemon=True)
         self._worker.start()
@@ -96,6 +99,7 @@ class WriteBehind:
                 self._counters["dropped"] += 1
                 return False
             self._counters["offered"] += 1
+            self._counters["offered_bytes"] += view.nbytes
         buf[:view.nbytes] = view
         with self._lock:
             self._queue[key] = _Staged(ns, buf, view.nbytes)

@@ -105,6 +105,8 @@ class ConnectorSettings(BaseModel):
         SSD directory and shm file (``.../tp<rank>``): an embedded SSD engine must never be
         opened by two processes. Raises ConfigError for a bad config."""
         cfg = load_config(self.config_path, overrides=self.config_overrides)
+        if cfg.metrics.port:  # one endpoint per rank: metrics.port + rank (0: any free port)
+            cfg.metrics.port += tp_rank
         if tp_size > 1:
             ssd_dir = cfg.ssd_path()
             if ssd_dir.exists() and not ssd_dir.is_dir():

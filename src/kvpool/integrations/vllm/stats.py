@@ -14,6 +14,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvpool.metrics.engine import EngineCounts
+
 log = logging.getLogger("kvpool.integrations.vllm")
 
 
@@ -26,6 +28,7 @@ class ConnectorCounters:
     stored_chunks: int = 0  # chunks the pool accepted
     dropped_chunks: int = 0  # saves dropped: budget full, no free slot, pool refused, failed step
     lookups: int = 0
+    lookup_chunks: int = 0  # whole chunks of the prompts looked up
     lookup_hit_chunks: int = 0
     lookup_unsaved_chunks: int = 0  # of those, handed to the committer but not yet committed
     load_commit_timeouts: int = 0  # loads that waited lookup_timeout_s for a commit
@@ -53,6 +56,15 @@ class StatsWriter:
         with self._lock:
             self._extra[key] = value
             self._dirty = True
+
+    def engine_counts(self, chunk_tokens: int) -> EngineCounts:
+        """The counters as the engine metrics count them (tokens)."""
+        with self._lock:
+            c = self.counters
+            return EngineCounts(
+                lookup_hit_tokens=c.lookup_hit_chunks * chunk_tokens,
+                lookup_miss_tokens=(c.lookup_chunks - c.lookup_hit_chunks) * chunk_tokens,
+                prefill_tokens_saved=c.loaded_tokens, stored_tokens=c.stored_chunks * chunk_tokens)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

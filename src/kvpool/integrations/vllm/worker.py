@@ -45,6 +45,7 @@ from kvpool.integrations.vllm.saves import Saves
 from kvpool.integrations.vllm.settings import ConnectorSettings
 from kvpool.integrations.vllm.stats import StatsWriter
 from kvpool.keys import Namespace
+from kvpool.metrics.engine import EngineCollector
 from kvpool.pool import KVPool
 from kvpool.ssd.directio import AlignedBuffers
 from kvpool.tiers.dram import PinnedView
@@ -83,6 +84,10 @@ class WorkerSide:
         if stats_path and tp_rank > 0:
             stats_path = f"{stats_path}.tp{tp_rank}"
         self.stats = StatsWriter(stats_path, {"tp_rank": tp_rank, "tp_size": tp_size})
+        self.pool.metrics.register(EngineCollector(
+            "vllm", lambda: self.stats.engine_counts(settings.chunk_tokens)))
+        if self.pool.metrics_url is not None:
+            log.info("kvpool: rank %d metrics at %s", tp_rank, self.pool.metrics_url)
         # loads
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
         self._fetch: Future[_Fetched] | None = None
@@ -125,7 +130,8 @@ class WorkerSide:
                 break
             hits += more
             hits += self.pool.lookup(self.ns, keys[hits:]) if hits < len(keys) else 0
-        self.stats.add(lookups=1, lookup_hit_chunks=hits, lookup_unsaved_chunks=hits - stored)
+        self.stats.add(lookups=1, lookup_chunks=len(keys), lookup_hit_chunks=hits,
+                       lookup_unsaved_chunks=hits - stored)
         return hits
 
     def _pages(self, buf: np.ndarray | memoryview) -> torch.Tensor:

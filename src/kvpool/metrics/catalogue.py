@@ -1,0 +1,125 @@
+"""Every metric kvpool exports: name, type, labels and help, in one table.
+
+The collectors build their families from this table (so a name, its type and its labels
+cannot drift apart between components), the docs list it, and the Grafana dashboard's test
+checks its queries against it. Naming follows Prometheus conventions: ``_total`` counters,
+``_seconds`` and ``_bytes`` units, bounded label values (tiers, ops, queues, node ids; never
+key, request or namespace ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+#: Label values of ``tier``.
+TIERS = ("dram", "ssd_staging", "ssd", "cluster_staging", "remote")
+#: Label values of ``op`` on pool and tier latency.
+POOL_OPS = ("get", "put", "lookup")
+#: Label values of ``queue``.
+QUEUES = ("ssd_write_behind", "cluster_write_behind", "mover")
+#: Label values of ``cause`` on dropped saves.
+DROP_CAUSES = ("full", "write_error", "pinned", "node_down")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    #: Which components export it: "pool" (every process with a KVPool), "server", "engine".
+    component: str = "pool"
+
+
+def _specs() -> list[MetricSpec]:
+    s, e = "server", "engine"
+    return [
+        MetricSpec("kvpool_lookups_total", "counter", "KVPool.lookup calls."),
+        MetricSpec("kvpool_lookup_hit_chunks_total", "counter",
+                   "Chunks those lookups found (the leading run of the prefix)."),
+        MetricSpec("kvpool_hit_chunks_total", "counter",
+                   "Chunks read, by the tier that served them.", ("tier",)),
+        MetricSpec("kvpool_hit_tokens_total", "counter",
+                   "Tokens of the chunks read (chunks x chunk tokens), by tier.", ("tier",)),
+        MetricSpec("kvpool_miss_chunks_total", "counter", "Chunks asked for that no tier served."),
+        MetricSpec("kvpool_miss_tokens_total", "counter", "Tokens of the chunks no tier served."),
+        MetricSpec("kvpool_read_bytes_total", "counter", "Payload bytes read from each tier.",
+                   ("tier",)),
+        MetricSpec("kvpool_written_bytes_total", "counter",
+                   "Payload bytes each tier accepted from puts.", ("tier",)),
+        MetricSpec("kvpool_op_seconds", "histogram",
+                   "KVPool call latency, end to end: get = get_many_into, put = put_many or "
+                   "commit_many, lookup.", ("op",)),
+        MetricSpec("kvpool_tier_op_seconds", "histogram",
+                   "One tier's part of a KVPool call.", ("tier", "op")),
+        MetricSpec("kvpool_evictions_total", "counter",
+                   "Chunks evicted: DRAM arena evictions; SSD records dropped with their "
+                   "segment.", ("tier",)),
+        MetricSpec("kvpool_ssd_segments_evicted_total", "counter", "SSD segments freed."),
+        MetricSpec("kvpool_ssd_copied_forward_total", "counter",
+                   "Records copied forward when their SSD segment was evicted."),
+        MetricSpec("kvpool_ssd_write_amplification", "gauge",
+                   "Record bytes written to the SSD log (headers, padding, copy-forward) / "
+                   "payload bytes put; 0 before the first put."),
+        MetricSpec("kvpool_promotions_total", "counter",
+                   "Chunks moved up into DRAM after a read found them below."),
+        MetricSpec("kvpool_prefetched_total", "counter",
+                   "Chunks moved up into DRAM by prefetch or lookup read-ahead."),
+        MetricSpec("kvpool_demotions_total", "counter",
+                   "DRAM victims handed to the SSD write-behind queue."),
+        MetricSpec("kvpool_checksum_failures_total", "counter",
+                   "Records that failed verification (each a miss).", ("tier",)),
+        MetricSpec("kvpool_io_errors_total", "counter", "Media IO errors, reads and writes.",
+                   ("tier",)),
+        MetricSpec("kvpool_dropped_saves_total", "counter",
+                   "Saves dropped: full (staging full), write_error, pinned (DRAM had no "
+                   "evictable slot), node_down (no storage node took it).", ("tier", "cause")),
+        MetricSpec("kvpool_queue_depth", "gauge", "Chunks (mover: jobs) queued.", ("queue",)),
+        MetricSpec("kvpool_queue_bytes", "gauge", "Bytes held by a write-behind queue.",
+                   ("queue",)),
+        MetricSpec("kvpool_capacity_bytes", "gauge", "Capacity of a tier.", ("tier",)),
+        MetricSpec("kvpool_used_bytes", "gauge", "Bytes in use in a tier.", ("tier",)),
+        MetricSpec("kvpool_chunks", "gauge", "Chunks a tier holds.", ("tier",)),
+        MetricSpec("kvpool_node_up", "gauge",
+                   "1 if this client sees the storage node live, 0 if it marked it down.",
+                   ("node",)),
+        MetricSpec("kvpool_remote_errors_total", "counter",
+                   "Failed requests to storage nodes (each a miss or a dropped save)."),
+        MetricSpec("kvpool_server_connections", "gauge", "Connections open now.", (), s),
+        MetricSpec("kvpool_server_connections_accepted_total", "counter",
+                   "Connections accepted.", (), s),
+        MetricSpec("kvpool_server_requests_total", "counter", "Requests served, by op.",
+                   ("op",), s),
+        MetricSpec("kvpool_server_request_seconds", "histogram",
+                   "Time from a request's header to its answer, by op.", ("op",), s),
+        MetricSpec("kvpool_server_auth_failures_total", "counter", "Failed AUTH requests.",
+                   (), s),
+        MetricSpec("kvpool_server_protocol_errors_total", "counter",
+                   "Connections closed for a malformed frame.", (), s),
+        MetricSpec("kvpool_server_busy_total", "counter",
+                   "Requests and connections refused BUSY (over server limits).", (), s),
+        MetricSpec("kvpool_server_draining", "gauge",
+                   "1 while the node is drained (kvpool admin drain): no new chunks.", (), s),
+        MetricSpec("kvpool_engine_lookup_tokens_total", "counter",
+                   "Prompt tokens the engine looked up, result hit or miss.",
+                   ("engine", "result"), e),
+        MetricSpec("kvpool_engine_prefill_tokens_saved_total", "counter",
+                   "Tokens loaded from kvpool instead of computed.", ("engine",), e),
+        MetricSpec("kvpool_engine_stored_tokens_total", "counter",
+                   "Tokens the engine saved into kvpool (chunks accepted x chunk tokens).",
+                   ("engine",), e),
+        MetricSpec("kvpool_engine_ttft_seconds", "histogram",
+                   "Time to first token, measured by the integration (HF; vLLM exports "
+                   "vllm:time_to_first_token_seconds itself).", ("engine",), e),
+    ]
+
+
+METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in _specs()}
+
+
+def all_metric_names(component: str | None = None) -> list[str]:
+    """Every metric name kvpool exports (of one component: pool, server or engine)."""
+    return [m.name for m in METRICS.values() if component is None or m.component == component]

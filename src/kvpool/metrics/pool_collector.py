@@ -1,0 +1,117 @@
+"""Turns a KVPool's ``stats()`` into the pool metrics of catalogue.py at scrape time: the
+tiers count what they do anyway, so counters cost the data path nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from kvpool.errors import PoolClosedError
+from kvpool.metrics.families import Families
+from kvpool.metrics.recorder import OpLatency
+
+Stats = dict[str, Any]
+
+#: (pool counter prefix, tier label): the pool counts reads as <prefix>_hits etc.
+_READ_TIERS = (("dram", "dram"), ("staged", "ssd_staging"), ("ssd", "ssd"),
+               ("cluster_staged", "cluster_staging"), ("remote", "remote"))
+
+
+def _get(stats: Stats, *path: str) -> Any:
+    node: Any = stats
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+class PoolCollector(Collector):
+    """Collects from ``stats`` (KVPool.stats) and ``latency`` (None: no histograms). A pool
+    that is closed yields nothing."""
+
+    def __init__(self, stats: Callable[[], Stats], latency: OpLatency | None) -> None:
+        self._stats = stats
+        self._latency = latency
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except PoolClosedError:
+            return iter(())
+        out = Families()
+        pool_counters(out, stats)
+        tier_counters(out, stats)
+        remote_metrics(out, stats)
+        if self._latency is not None:
+            ops, tiers = self._latency.snapshot()
+            out.add_histogram("kvpool_op_seconds", ops)
+            out.add_histogram("kvpool_tier_op_seconds", tiers)
+        return iter(out)
+
+
+def pool_counters(out: Families, stats: Stats) -> None:
+    pool = stats["pool"]
+    out.add("kvpool_lookups_total", pool["lookups"])
+    out.add("kvpool_lookup_hit_chunks_total", pool["lookup_hit_chunks"])
+    for prefix, tier in _READ_TIERS:
+        out.add("kvpool_hit_chunks_total", pool.get(f"{prefix}_hits", 0), tier)
+        out.add("kvpool_hit_tokens_total", pool.get(f"{prefix}_hit_tokens", 0), tier)
+        out.add("kvpool_read_bytes_total", pool.get(f"{prefix}_hit_bytes", 0), tier)
+    out.add("kvpool_miss_chunks_total", pool["misses"])
+    out.add("kvpool_miss_tokens_total", pool.get("miss_tokens", 0))
+    out.add("kvpool_promotions_total", pool["promotions"])
+    out.add("kvpool_prefetched_total", pool["prefetched"])
+    out.add("kvpool_demotions_total", pool.get("demotions", 0))
+    out.add("kvpool_queue_depth", pool.get("mover_pending", 0), "mover")
+
+
+def tier_counters(out: Families, stats: Stats) -> None:
+    dram = stats.get("dram")
+    if dram is not None:
+        out.add("kvpool_written_bytes_total", dram["put_bytes"], "dram")
+        out.add("kvpool_evictions_total", dram["evictions"], "dram")
+        out.add("kvpool_dropped_saves_total", dram["dropped_puts"], "dram", "pinned")
+        out.add("kvpool_capacity_bytes", dram["capacity_bytes"], "dram")
+        out.add("kvpool_used_bytes", dram["used_bytes"], "dram")
+        out.add("kvpool_chunks", dram["entries"], "dram")
+    for path, tier, queue, error_cause in ((("write_behind",), "ssd_staging",
+                                            "ssd_write_behind", "write_error"),
+                                           (("remote", "write_behind"), "cluster_staging",
+                                            "cluster_write_behind", "node_down")):
+        staging = _get(stats, *path)
+        if staging is None:
+            continue
+        out.add("kvpool_written_bytes_total", staging["offered_bytes"], tier)
+        out.add("kvpool_dropped_saves_total", staging["dropped"], tier, "full")
+        out.add("kvpool_dropped_saves_total", staging["write_errors"], tier, error_cause)
+        out.add("kvpool_queue_depth", staging["queued"], queue)
+        out.add("kvpool_queue_bytes", staging["staging_bytes"], queue)
+    ssd = stats.get("ssd")
+    if ssd is not None:
+        out.add("kvpool_written_bytes_total", ssd["put_bytes"], "ssd")
+        out.add("kvpool_evictions_total", ssd["records_evicted"], "ssd")
+        out.add("kvpool_ssd_segments_evicted_total", ssd["segments_evicted"])
+        out.add("kvpool_ssd_copied_forward_total", ssd["copied_forward"])
+        put_bytes = ssd["put_bytes"]
+        out.add("kvpool_ssd_write_amplification",
+                ssd.get("log_bytes", 0) / put_bytes if put_bytes else 0.0)
+        out.add("kvpool_checksum_failures_total", ssd["checksum_failures"], "ssd")
+        out.add("kvpool_io_errors_total", ssd["io_errors"] + ssd.get("write_errors", 0), "ssd")
+        out.add("kvpool_capacity_bytes", ssd["capacity_bytes"], "ssd")
+        out.add("kvpool_used_bytes", ssd["used_bytes"], "ssd")
+        out.add("kvpool_chunks", ssd["records"], "ssd")
+
+
+def remote_metrics(out: Families, stats: Stats) -> None:
+    client = _get(stats, "remote", "client")
+    if client is None:
+        return
+    out.add("kvpool_written_bytes_total", client.get("put_bytes", 0), "remote")
+    out.add("kvpool_remote_errors_total", client.get("remote_errors", 0))
+    down = set(client.get("down_nodes", ()))
+    for node in sorted(set(client.get("live_nodes", ())) | down):
+        out.add("kvpool_node_up", 0 if node in down else 1, node)
