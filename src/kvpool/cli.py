@@ -30,8 +30,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.monitor import cli as monitor_cli
     monitor_cli.add_arguments(monitor)
     monitor.set_defaults(func=monitor_cli.run_from_args)
-    admin = sub.add_parser("admin", help="cluster administration")
-    server_cli.add_admin_arguments(admin)
+    admin = sub.add_parser("admin", help="cluster and media administration: nodes, stats, "
+                           "invalidate, drain, undrain, verify")
+    from kvpool.admin import cli as admin_cli
+    admin_cli.add_admin_arguments(admin)
     bench = sub.add_parser("bench", help="benchmarks beside their references")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
     storage = bench_sub.add_parser("storage", help="DRAM arena and SSD engine vs memcpy, "

@@ -202,7 +202,7 @@ class ServerConfig(_Section):
     node_id: str | None = Field(None, description="Name registered in etcd; default host:port.")
     advertise_host: str | None = Field(None, description="Host clients should dial (default: host).")
     auth: list[TenantToken] = Field(default_factory=list, description="Per-tenant tokens. Empty: no auth (trusted networks only); otherwise every connection must AUTH first.")
-    admin_token: str | None = Field(None, min_length=8, description="Token whose AUTH sees node-wide STATS (and no tenant's data); tenant tokens see only their own tenants' figures. Needs server.auth; without auth every connection sees node-wide STATS.")
+    admin_token: str | None = Field(None, min_length=8, description="Token whose AUTH sees node-wide STATS and may invalidate any namespace by id (kvpool admin), and reads no tenant's data; tenant tokens see only their own tenants' figures. Needs server.auth; without auth every connection sees node-wide STATS.")
     auth_timeout_s: float = Field(5.0, gt=0, description="With auth on: a connection that has not completed AUTH this long after it was accepted is closed, whatever it sends meanwhile. Also bounds how long a connection refused over max_connections waits for its first request (to answer it BUSY).")
     max_frame_bytes: Size = Field(256 << 20, description="Largest request (metadata + payload); a larger one closes the connection.")
     max_item_bytes: Size = Field(64 << 20, description="Largest chunk a namespace may declare.")

@@ -25,6 +25,7 @@ from kvpool.cluster import (
     list_nodes,
     nodes_prefix,
 )
+from kvpool.cluster.membership import drained_key
 from kvpool.errors import KVPoolError
 
 REGISTRANT = Path(__file__).with_name("registrant.py")
@@ -195,6 +196,30 @@ def test_a_new_watcher_sees_existing_nodes(etcd_endpoint: str, cluster_name: str
     with NodeRegistration([etcd_endpoint], cluster_name, node(3)), \
             EtcdMembership([etcd_endpoint], cluster_name) as members:
         assert members.live_nodes() == [node(3)]
+
+
+def test_drained_keys_are_seen_by_watchers_old_and_new(etcd_endpoint: str,
+                                                       cluster_name: str) -> None:
+    """`kvpool admin drain` puts /kvpool/<cluster>/drained/<id>: a running watcher sees it come
+    and go, a new one reads it, and it never reads as a node (nor fires on_change)."""
+    etcd = EtcdClient([etcd_endpoint])
+    changes: list[list[str]] = []
+    with NodeRegistration([etcd_endpoint], cluster_name, node(1)), \
+            EtcdMembership([etcd_endpoint], cluster_name,
+                           on_change=lambda nodes: changes.append(ids(nodes))) as members:
+        assert members.drained_nodes() == frozenset()
+        etcd.put(drained_key(cluster_name, "node-1"), b"{}")
+        wait_for(lambda: members.drained_nodes() == {"node-1"}, 5, "watcher sees the drain")
+        etcd.put(drained_key(cluster_name, "node-9"), b"")  # a node not registered (yet)
+        wait_for(lambda: members.drained_nodes() == {"node-1", "node-9"}, 5, "second drain")
+        with EtcdMembership([etcd_endpoint], cluster_name) as fresh:
+            assert fresh.drained_nodes() == {"node-1", "node-9"}
+            assert ids(fresh.live_nodes()) == ["node-1"]
+        etcd.delete(drained_key(cluster_name, "node-1"))
+        wait_for(lambda: members.drained_nodes() == {"node-9"}, 5, "watcher sees the undrain")
+        assert ids(members.live_nodes()) == ["node-1"] and changes == []
+    assert StaticMembership(["10.0.0.1:7000"]).drained_nodes() == frozenset()
+    etcd.delete(drained_key(cluster_name, "node-9"))
 
 
 def test_clusters_are_isolated(etcd_endpoint: str, cluster_name: str) -> None:

@@ -235,8 +235,9 @@ def test_auth_and_tenancy(auth_store: Store) -> None:
     assert s.get(session, beta, keys) == [None, None]
     # A tenant sees its own figures only; the admin sees the node and every tenant.
     mine = s.run(store.stats(session, {"connections": 9}))
-    assert set(mine) == {"server", "tenants"} and set(mine["tenants"]) == {"beta"}
+    assert set(mine) == {"server", "tenants", "namespaces"} and set(mine["tenants"]) == {"beta"}
     assert "connections" not in mine["server"]
+    assert [n["id"] for n in mine["namespaces"]] == [beta.id.hex()]  # acme's stays unlisted
     admin = store.open_session()
     assert json.loads(store.authenticate(admin, ADMIN.encode()))["admin"] is True
     assert refused(s.declare, admin, acme).status == Status.FORBIDDEN
@@ -246,4 +247,48 @@ def test_auth_and_tenancy(auth_store: Store) -> None:
     assert tenants["acme"]["put_chunks"] == 2 and tenants["acme"]["get_hits"] == 2
     assert tenants["beta"]["get_misses"] == 2 and tenants["beta"]["connections"] == 1
     assert everything["server"]["auth_failures"] == 1
+    assert {n["id"] for n in everything["namespaces"]} == {acme.id.hex(), beta.id.hex()}
 
+
+
+def test_invalidate_by_id_without_declaring(auth_store: Store) -> None:
+    """What `kvpool admin invalidate` sends: an id, on a connection that declared nothing.
+    A tenant token may drop its tenants' namespaces the node knows, the admin token any."""
+    s, store = auth_store, auth_store.store
+    writer = store.open_session()
+    store.authenticate(writer, b"token-acme-123")
+    acme, other = byte_namespace(salt="acme"), byte_namespace(salt="acme:other")
+    for ns in (acme, other):
+        s.declare(writer, ns)
+        s.put(writer, ns, keys_of(3))
+    beta = store.open_session()
+    store.authenticate(beta, b"token-beta-456")
+    assert refused(store.invalidate, beta, acme.id).status == Status.FORBIDDEN
+    tenant = store.open_session()
+    store.authenticate(tenant, b"token-acme-123")
+    assert s.run(store.invalidate(tenant, acme.id)) == 3  # DRAM copies (evict mode)
+    assert s.run(store.exists(writer, acme.id, keys_of(3))) == [False] * 3
+    assert s.run(store.exists(writer, other.id, keys_of(3))) == [True] * 3  # untouched
+    unknown = bytes(range(16))  # no client declared it here: its tenant is unknown
+    assert refused(store.invalidate, tenant, unknown).status == Status.FORBIDDEN
+    admin = store.open_session()
+    store.authenticate(admin, ADMIN.encode())
+    assert s.run(store.invalidate(admin, unknown)) == 0
+    assert s.run(store.invalidate(admin, other.id)) == 3
+    assert s.run(store.exists(writer, other.id, keys_of(3))) == [False] * 3
+
+
+def test_stats_list_namespaces_and_the_drain_flag(open_store: Store) -> None:
+    s, store = open_store, open_store.store
+    session = store.open_session()
+    ns = byte_namespace(model="listed", salt="t1:x")
+    s.declare(session, ns)
+    stats = s.run(store.stats(session, {}))
+    assert stats["namespaces"] == [{"id": ns.id.hex(), "model": "listed", "revision": "main",
+                                    "tenant": "t1", "chunk_bytes": CHUNK, "in_use": True}]
+    assert stats["server"]["draining"] is False
+    store.drain_flag = lambda: True
+    assert store.drained
+    store.close_session(session)
+    stats = s.run(store.stats(store.open_session(), {}))
+    assert stats["server"]["draining"] is True and not stats["namespaces"][0]["in_use"]

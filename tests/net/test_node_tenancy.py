@@ -50,7 +50,8 @@ def test_stats_answer_a_tenant_with_its_own_figures_and_the_admin_with_the_node(
     put_and_get(beta, "beta:b", 5)
 
     mine = acme.stats()
-    assert set(mine) == {"server", "tenants"}
+    assert set(mine) == {"server", "tenants", "namespaces"}
+    assert [n["tenant"] for n in mine["namespaces"]] == ["acme"]
     assert set(mine["server"]) == {"node_id", "version", "uptime_s"}
     assert set(mine["tenants"]) == {"acme"}
     figures = mine["tenants"]["acme"]

@@ -1,8 +1,9 @@
 """The live storage nodes of a cluster as etcd lists them, kept current by a watch.
 
-:class:`EtcdMembership` reads ``/kvpool/<cluster>/nodes/`` (the layout is in
-:mod:`kvpool.cluster.membership`) and watches it from that read's revision; :func:`list_nodes`
-is the one-shot read behind ``kvpool admin nodes``.
+:class:`EtcdMembership` reads ``/kvpool/<cluster>/`` (the registered nodes under ``nodes/``,
+the drained ones under ``drained/``; the layout is in :mod:`kvpool.cluster.membership`) and
+watches it from that read's revision; :func:`list_nodes` is the one-shot read behind
+``kvpool admin nodes``.
 
 Failure policy: the store must never fail a request because etcd is down. A running
 :class:`EtcdMembership` keeps serving the last set it saw while etcd is unreachable, logs one
@@ -25,7 +26,13 @@ from kvpool.cluster.etcd import (
     WatchResponse,
     WatchStream,
 )
-from kvpool.cluster.membership import NodeInfo, nodes_prefix, sorted_nodes
+from kvpool.cluster.membership import (
+    NodeInfo,
+    cluster_prefix,
+    drained_prefix,
+    nodes_prefix,
+    sorted_nodes,
+)
 
 __all__ = ["EtcdMembership", "OnChange", "list_nodes"]
 
@@ -70,9 +77,10 @@ class _Backoff:
 
 
 class EtcdMembership:
-    """Live nodes of ``cluster`` from etcd, kept current by a watch in a daemon thread.
+    """Live (and drained) nodes of ``cluster`` from etcd, kept current by a watch in a daemon
+    thread.
 
-    The constructor reads ``/kvpool/<cluster>/nodes/`` once and raises
+    The constructor reads ``/kvpool/<cluster>/`` once and raises
     :class:`~kvpool.cluster.etcd.EtcdError` if no endpoint answers (ValueError for malformed
     endpoints or cluster name). From then on nothing raises: :meth:`live_nodes` returns the
     last set seen without touching the network; when etcd becomes unreachable the thread logs
@@ -89,12 +97,15 @@ class EtcdMembership:
     def __init__(self, endpoints: Sequence[str], cluster: str,
                  on_change: OnChange | None = None, timeout_s: float = 2.0) -> None:
         self.cluster = cluster
+        self._root = cluster_prefix(cluster).encode("utf-8")
         self._prefix = nodes_prefix(cluster).encode("utf-8")
+        self._drained_prefix = drained_prefix(cluster).encode("utf-8")
         self._client = EtcdClient(endpoints, timeout_s)
         self._on_change = on_change
         self._lock = threading.Lock()
         self._nodes: dict[bytes, NodeInfo] = {}
         self._view: list[NodeInfo] = []
+        self._drained: frozenset[str] = frozenset()
         self._stop = threading.Event()
         self._stream: WatchStream | None = None
         self._revision = self._resync(notify=False)
@@ -106,6 +117,11 @@ class EtcdMembership:
         """The live nodes sorted by node_id, as last seen; never blocks on etcd, never raises."""
         with self._lock:
             return list(self._view)
+
+    def drained_nodes(self) -> frozenset[str]:
+        """Ids under ``/kvpool/<cluster>/drained/`` as last seen; never blocks, never raises."""
+        with self._lock:
+            return self._drained
 
     def close(self) -> None:
         """Stop the watch thread and close its stream; idempotent."""
@@ -127,10 +143,14 @@ class EtcdMembership:
 
     def _resync(self, notify: bool) -> int:
         """Replace the node set with a fresh range read; the read's revision."""
-        kvs, revision = self._client.get_prefix(self._prefix)
-        nodes = {kv.key: node for kv in kvs if (node := _node_from_kv(self._prefix, kv))}
+        kvs, revision = self._client.get_prefix(self._root)
+        nodes = {kv.key: node for kv in kvs if kv.key.startswith(self._prefix)
+                 and (node := _node_from_kv(self._prefix, kv))}
+        drained = frozenset(self._drained_id(kv.key) for kv in kvs
+                            if kv.key.startswith(self._drained_prefix))
         with self._lock:
             self._nodes = nodes
+            self._drained = drained
         self._publish(notify)
         return revision
 
@@ -150,6 +170,13 @@ class EtcdMembership:
     def _apply(self, msg: WatchResponse) -> None:
         with self._lock:
             for event in msg.events:
+                if event.kv.key.startswith(self._drained_prefix):
+                    node_id = self._drained_id(event.kv.key)
+                    self._drained = (self._drained - {node_id} if event.type == "DELETE"
+                                     else self._drained | {node_id})
+                    continue
+                if not event.kv.key.startswith(self._prefix):
+                    continue  # another kind of cluster key: not membership's
                 if event.type == "DELETE":
                     self._nodes.pop(event.kv.key, None)
                 elif node := _node_from_kv(self._prefix, event.kv):
@@ -157,6 +184,9 @@ class EtcdMembership:
                 else:
                     self._nodes.pop(event.kv.key, None)
         self._publish(notify=True)
+
+    def _drained_id(self, key: bytes) -> str:
+        return key[len(self._drained_prefix):].decode("utf-8", "replace")
 
     def _run(self) -> None:
         backoff = _Backoff()
@@ -167,7 +197,7 @@ class EtcdMembership:
                 if need_range:
                     self._revision = self._resync(notify=True)
                 need_range = True  # whatever ends this watch, re-read before the next one
-                stream = self._client.watch_prefix(self._prefix, self._revision + 1)
+                stream = self._client.watch_prefix(self._root, self._revision + 1)
                 with self._lock:
                     self._stream = stream
                 if self._stop.is_set():

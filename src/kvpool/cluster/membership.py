@@ -4,9 +4,12 @@ Layout in etcd (DESIGN.md §6): each node puts ``/kvpool/<cluster>/nodes/<node_i
 :class:`NodeInfo` value, attached to a lease it keeps alive
 (:class:`~kvpool.cluster.registration.NodeRegistration`). When the node stops cleanly it
 revokes the lease and its key disappears at once; when it dies the key disappears after the
-lease's TTL. Clients read the prefix and watch it
-(:class:`~kvpool.cluster.etcd_membership.EtcdMembership`); deployments without etcd use
-:class:`StaticMembership`. Placement sees either through the :class:`Membership` protocol.
+lease's TTL. ``kvpool admin drain`` puts ``/kvpool/<cluster>/drained/<node_id>`` (no lease: a
+drain outlives restarts of the node until ``kvpool admin undrain`` deletes it); placement of
+new chunks skips a drained node, reads still go to it. Clients read ``/kvpool/<cluster>/``
+and watch it (:class:`~kvpool.cluster.etcd_membership.EtcdMembership`); deployments without
+etcd use :class:`StaticMembership` (nothing is ever drained there). Placement sees either
+through the :class:`Membership` protocol.
 
 Nothing here touches the network; malformed names, addresses and records raise ValueError.
 """
@@ -22,6 +25,9 @@ __all__ = [
     "Membership",
     "NodeInfo",
     "StaticMembership",
+    "cluster_prefix",
+    "drained_key",
+    "drained_prefix",
     "nodes_prefix",
     "parse_address",
     "registration_key",
@@ -36,9 +42,25 @@ def _check_name(what: str, name: str) -> str:
     return name
 
 
+def cluster_prefix(cluster: str) -> str:
+    """``/kvpool/<cluster>/``, above every key of the cluster; ValueError for an empty name or
+    one containing '/'."""
+    return f"/kvpool/{_check_name('cluster name', cluster)}/"
+
+
 def nodes_prefix(cluster: str) -> str:
     """``/kvpool/<cluster>/nodes/``; ValueError for an empty name or one containing '/'."""
-    return f"/kvpool/{_check_name('cluster name', cluster)}/nodes/"
+    return cluster_prefix(cluster) + "nodes/"
+
+
+def drained_prefix(cluster: str) -> str:
+    """``/kvpool/<cluster>/drained/``: one key per drained node (any value)."""
+    return cluster_prefix(cluster) + "drained/"
+
+
+def drained_key(cluster: str, node_id: str) -> str:
+    """The key whose presence drains ``node_id``; ValueError for a malformed name."""
+    return drained_prefix(cluster) + _check_name("node id", node_id)
 
 
 def registration_key(cluster: str, node_id: str) -> str:
@@ -144,6 +166,11 @@ class Membership(Protocol):
         """The live nodes sorted by node_id. Never blocks on the network, never raises."""
         ...
 
+    def drained_nodes(self) -> frozenset[str]:
+        """Ids of the nodes drained by ``kvpool admin drain`` (live or not): no new chunks
+        are placed on them, reads still are. Never blocks on the network, never raises."""
+        ...
+
     def close(self) -> None:
         """Stop following membership; idempotent."""
         ...
@@ -166,6 +193,10 @@ class StaticMembership:
     def live_nodes(self) -> list[NodeInfo]:
         """The configured nodes, sorted by node_id."""
         return list(self._nodes)
+
+    def drained_nodes(self) -> frozenset[str]:
+        """Always empty: draining needs etcd (a flag every client sees)."""
+        return frozenset()
 
     def close(self) -> None:
         """Nothing to stop."""

@@ -9,6 +9,12 @@ to that node anyway, else a background TOUCH; see net/touch.py). Prefix lookups 
 replica which keys it holds (EXISTS, one flag per key) and count the leading run of the
 merged answer.
 
+Drained nodes (``kvpool admin drain``; :meth:`Membership.drained_nodes`) get no new chunks:
+writes are placed over the live nodes that are not drained. Reads still go to them: a key's
+read list is its ranking over every live node down to the R-th node that is not drained, so
+it names both the drained nodes that may hold its old copies and the nodes its new copies
+were written to (rendezvous ranks of a subset are the full ranking with nodes left out).
+
 Failure contract (DESIGN.md section 9): a dead, slow or misbehaving node never raises to the
 caller. Its requests become misses (or are served by a replica), the node is marked down at
 once and tried again after ``cluster.retry_down_s``. Only misconfiguration raises: a token the
@@ -64,7 +70,7 @@ class ClusterClient:
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
         self._counters = Counters()  # bumped on fan-out threads too
-        self._live_cache: tuple[float, list[str]] | None = None
+        self._live_cache: tuple[float, list[str], frozenset[str]] | None = None
         self._toucher = ReplicaToucher(
             lambda node_id, ns, keys: self._safe(node_id, _touch_job(ns, keys)) is not None,
             cfg.touch_threads, cfg.touch_max_keys, cfg.touch_batch_keys)
@@ -74,10 +80,19 @@ class ClusterClient:
         """Node ids in placement now: live in membership and not marked down (a node whose
         retry time has come is live again; its next request is the probe). Recomputed at
         most every cluster.live_cache_s, and at once after a node is marked down."""
+        return self._view()[0]
+
+    def drained_nodes(self) -> frozenset[str]:
+        """The live nodes that are drained (no new chunks placed on them), as of the same
+        view as live_nodes."""
+        return self._view()[1]
+
+    def _view(self) -> tuple[list[str], frozenset[str]]:
         now = time.monotonic()
         cached = self._live_cache
         if cached is not None and now < cached[0]:
-            return cached[1]
+            return cached[1], cached[2]
+        drained = self.membership.drained_nodes()
         out = []
         for node in self.membership.live_nodes():
             with self._lock:
@@ -90,8 +105,9 @@ class ClusterClient:
                                                          c.socket_buffer_bytes)
                 if self._down_until.get(node.node_id, 0.0) <= now:
                     out.append(node.node_id)
-        self._live_cache = (now + self.cfg.live_cache_s, out)
-        return out
+        live_drained = drained.intersection(out)
+        self._live_cache = (now + self.cfg.live_cache_s, out, live_drained)
+        return out, live_drained
 
     def _mark_down(self, node_id: str, why: BaseException) -> None:
         with self._lock:
@@ -154,8 +170,21 @@ class ClusterClient:
             self._on_node(node_id, lambda c: c.declare(ns))
 
     def _placement(self, ns: Namespace, keys: Sequence[bytes]) -> list[list[str]]:
+        """Each key's read list: its replicas, plus the drained nodes ranked above them."""
         check_keys(keys)
-        return replicas(self.live_nodes(), keys, self._replicas.get(ns.id, self.cfg.replicas))
+        live, drained = self._view()
+        r = self._replicas.get(ns.id, self.cfg.replicas)
+        if not drained:
+            return replicas(live, keys, r)
+        return [_down_to_undrained(ranked, drained, r)
+                for ranked in replicas(live, keys, r + len(drained))]
+
+    def _write_placement(self, ns: Namespace, keys: Sequence[bytes]) -> list[list[str]]:
+        """Each key's replicas among the live nodes that are not drained."""
+        check_keys(keys)
+        live, drained = self._view()
+        nodes = [n for n in live if n not in drained] if drained else live
+        return replicas(nodes, keys, self._replicas.get(ns.id, self.cfg.replicas))
 
     # ------------------------------------------------------------------ reads
     def exists_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> int:
@@ -167,7 +196,10 @@ class ClusterClient:
             return 0
         check_keys(keys)
         keys = list(keys)
-        per_node = holders(self.live_nodes(), keys, self._replicas.get(ns.id, self.cfg.replicas))
+        live, drained = self._view()
+        # With drained nodes, R + their number covers every read list (and asks a little more)
+        per_node = holders(live, keys,
+                           self._replicas.get(ns.id, self.cfg.replicas) + len(drained))
         jobs = {n: _exists_job(ns, keys if idx is None else [keys[i] for i in idx])
                 for n, idx in per_node.items()}
         present = np.zeros(len(keys), dtype=bool)
@@ -233,7 +265,7 @@ class ClusterClient:
             entry[2].append(data)
         stored = stored_bytes = 0
         for ns, keys, datas in by_ns.values():
-            placement = self._placement(ns, keys)
+            placement = self._write_placement(ns, keys)
             per_node: defaultdict[str, list[int]] = defaultdict(list)
             for i, nodes in enumerate(placement):
                 for node_id in nodes:
@@ -272,6 +304,7 @@ class ClusterClient:
         out: dict[str, Any] = self._counters.snapshot()
         out.update(self._toucher.counters)
         out.update(live_nodes=self.live_nodes(), down_nodes=down,
+                   drained_nodes=sorted(self.drained_nodes()),
                    touch_pending=self._toucher.pending())
         return out
 
@@ -283,6 +316,18 @@ class ClusterClient:
         for pool in pools:
             pool.close()
         self.membership.close()
+
+
+def _down_to_undrained(ranked: list[str], drained: frozenset[str], count: int) -> list[str]:
+    """``ranked`` up to and including its ``count``-th node that is not drained."""
+    out, undrained = [], 0
+    for node_id in ranked:
+        out.append(node_id)
+        if node_id not in drained:
+            undrained += 1
+            if undrained == count:
+                break
+    return out
 
 
 # Jobs are built by functions so each closure captures its own batch.

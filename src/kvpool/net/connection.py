@@ -267,6 +267,15 @@ class NodeConnection:
         self.declare(ns)
         return self.call(Op.INVALIDATE, meta=ns.id)[0].count
 
+    def invalidate_id(self, ns_id: bytes) -> int:
+        """INVALIDATE a namespace by its 16-byte id without declaring it (``kvpool admin
+        invalidate``): copies dropped. Raises AuthError (FORBIDDEN) unless this token may
+        (the admin token, auth off, or a tenant the node knows the namespace to be of);
+        nodes older than this version answer RemoteError (UNKNOWN_NAMESPACE)."""
+        if len(ns_id) != 16:
+            raise ValueError("a namespace id is 16 bytes")
+        return self.call(Op.INVALIDATE, meta=bytes(ns_id))[0].count
+
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = json.loads(self.call(Op.STATS)[1])
         return result

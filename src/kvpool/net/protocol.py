@@ -33,9 +33,13 @@ GET            ns + keys [+ touch keys]   count flag bytes (1 = found); payload 
 PUT            ns + keys; payload =       count = chunks stored
                count x chunk_bytes
 DELETE         ns + keys                  count = chunks removed
-INVALIDATE     ns                         count = chunks dropped
-STATS          -                          JSON counters: node-wide for the admin token (or
-                                          with auth off), the asking tenant's own otherwise
+INVALIDATE     ns (declared, or any id    count = chunks dropped
+               for the admin token / auth
+               off, or a tenant's known
+               to the node)
+STATS          -                          JSON counters and the node's namespaces:
+                                          node-wide for the admin token (or with auth
+                                          off), the asking tenant's own otherwise
 =============  =========================  ==========================================
 
 GET's ``count`` is the number of keys to fetch; a client may append further keys after them

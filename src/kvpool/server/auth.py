@@ -14,7 +14,8 @@ log = logging.getLogger("kvpool.serve")
 class Authenticator:
     """Maps tokens to the tenants they may act for. With no tokens configured, auth is off and
     every connection may use every namespace (trusted networks only). The admin token (only
-    with auth on) grants no tenant: it may read node-wide STATS, nothing else."""
+    with auth on) grants no tenant: it may read node-wide STATS and invalidate any namespace
+    by id (``kvpool admin``), nothing else."""
 
     def __init__(self, tokens: list[TenantToken], admin_token: str | None = None) -> None:
         self._tokens = [(t.token.encode(), frozenset(t.tenants)) for t in tokens]

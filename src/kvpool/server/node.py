@@ -83,6 +83,7 @@ class StorageNode:
             self.listener.close()
             raise
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
+        self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
         self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
                                                    self._metrics_state, self.traffic.latency))
         self.metrics_server: MetricsServer | None = None
@@ -205,15 +206,20 @@ class StorageNode:
         self._stop.set()
 
     def _register(self) -> Any:
-        """Register in etcd (if configured). Raises NodeStartError when etcd cannot be reached
-        or refuses: a node nobody can find must not look as if it were serving."""
+        """Register in etcd (if configured) and follow this node's drain flag there (``kvpool
+        admin drain``: the store's ``drained``). Raises NodeStartError when etcd cannot be
+        reached or refuses: a node nobody can find must not look as if it were serving."""
         cluster = self.config.cluster
         if not cluster.etcd:
             return None
         from kvpool.cluster.etcd import EtcdError
+        from kvpool.cluster.etcd_membership import EtcdMembership
         from kvpool.cluster.membership import NodeInfo
         from kvpool.cluster.registration import NodeRegistration
         try:
+            watch = EtcdMembership(cluster.etcd, cluster.name)
+            self._drain_watch = watch
+            self.store.drain_flag = lambda: self.node_id in watch.drained_nodes()
             metrics_port = self.metrics_server.port if self.metrics_server else None
             reg = NodeRegistration(cluster.etcd, cluster.name,
                                    NodeInfo(self.node_id, self.host, self.port, metrics_port),
@@ -246,10 +252,13 @@ class StorageNode:
         print(f"kvpool serve: node {self.node_id} stopped", flush=True)
 
     async def _release(self) -> None:
-        """Close the listener, the metrics endpoint, the pool and the worker threads."""
+        """Close the listener, the metrics endpoint, the drain watch, the pool and the worker
+        threads."""
         self.listener.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self._drain_watch is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._drain_watch.close)
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
         self.traffic.net_executor.shutdown(wait=True)

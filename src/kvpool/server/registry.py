@@ -8,12 +8,18 @@ from the pool. Forgetting loses no data: chunks are filed under scoped keys, and
 declare of that namespace serves them again. Only when every registered namespace is in use
 is a new one refused (:class:`RegistryFull`).
 
+What it holds is also what the node can say about its namespaces (``kvpool admin
+invalidate --model``, a tenant's right to invalidate one by id): the ones declared since the
+node started, up to ``server.max_namespaces``. Chunks on SSD of a namespace no client declared
+since then are known by id only.
+
 Used from the node's event-loop thread only.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from kvpool.keys import Namespace
 from kvpool.pool import KVPool
@@ -28,6 +34,7 @@ class NamespaceRegistry:
         self._pool = pool
         self._limit = limit
         self._refs: dict[bytes, int] = {}  # namespaces some connection declared
+        self._in_use: dict[bytes, Namespace] = {}  # the same, by id
         self._unused: OrderedDict[bytes, Namespace] = OrderedDict()  # oldest released first
         self.forgotten = 0
 
@@ -45,6 +52,7 @@ class NamespaceRegistry:
             return
         if self._unused.pop(ns.id, None) is not None:
             self._refs[ns.id] = 1
+            self._in_use[ns.id] = ns
             return
         if len(self) >= self._limit:
             if not self._unused:
@@ -55,6 +63,7 @@ class NamespaceRegistry:
             self.forgotten += 1
         self._pool.register_namespace(ns)
         self._refs[ns.id] = 1
+        self._in_use[ns.id] = ns
 
     def release(self, ns: Namespace) -> None:
         """Give back one reference taken by ``acquire``."""
@@ -65,7 +74,23 @@ class NamespaceRegistry:
             self._refs[ns.id] = refs - 1
             return
         del self._refs[ns.id]
-        self._unused[ns.id] = ns
+        self._unused[ns.id] = self._in_use.pop(ns.id, ns)
+
+    def find(self, ns_id: bytes) -> Namespace | None:
+        """The registered namespace with this id, or None."""
+        return self._in_use.get(ns_id) or self._unused.get(ns_id)
+
+    def known(self) -> list[tuple[Namespace, bool]]:
+        """Every registered namespace, with whether some connection declares it now."""
+        return [*((ns, True) for ns in self._in_use.values()),
+                *((ns, False) for ns in self._unused.values())]
+
+    def listing(self, tenants: frozenset[str] | None) -> list[dict[str, Any]]:
+        """The registered namespaces as STATS shows them (all when ``tenants`` is None, else
+        those of these tenants): id (hex), model, revision, tenant, chunk_bytes, in_use."""
+        return [{"id": ns.id.hex(), "model": ns.model, "revision": ns.revision,
+                 "tenant": ns.tenant, "chunk_bytes": ns.chunk_bytes, "in_use": in_use}
+                for ns, in_use in self.known() if tenants is None or ns.tenant in tenants]
 
     def stats(self) -> dict[str, int]:
         return {"namespaces": len(self), "namespaces_in_use": len(self._refs),

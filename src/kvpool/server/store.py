@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,14 +148,20 @@ class NodeStore:
         self.cfg = cfg
         self.node_id = node_id
         self.auth = Authenticator(cfg.auth, cfg.admin_token)
-        #: True while an operator has drained this node (kvpool admin drain).
-        self.drained = False
         self.counters = Counters()
         self.tenant_counts = TenantCounters(self.auth.tenants)
         self.namespaces = NamespaceRegistry(pool, cfg.max_namespaces)
         self.started = time.time()
+        #: Where ``drained`` is read from: node.py sets it to this node's flag in etcd.
+        self.drain_flag: Callable[[], bool] = lambda: False
         self._executor = executor
         self._sessions: set[Session] = set()
+
+    @property
+    def drained(self) -> bool:
+        """True while ``kvpool admin drain`` has drained this node (clients place no new
+        chunks here; reads continue). STATS shows it as ``server.draining``."""
+        return self.drain_flag()
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -304,9 +310,18 @@ class NodeStore:
         return result
 
     async def invalidate(self, session: Session, ns_id: bytes) -> int:
-        """INVALIDATE: drop every chunk of a declared namespace; how many were dropped."""
-        ns = self._namespace_of(session, ns_id)
-        result: int = await self._off_loop(self.pool.invalidate, ns)
+        """INVALIDATE: drop every chunk of a namespace; the copies dropped. It need not be
+        declared here (``kvpool admin invalidate`` names an id): the admin token (or auth off)
+        may drop any id, a tenant token its tenants' namespaces the registry knows; anything
+        else raises Refused(FORBIDDEN)."""
+        ns = session.namespaces.get(ns_id) or self.namespaces.find(ns_id)
+        if self.auth.enabled and not session.admin and ns_id not in session.namespaces \
+                and (ns is None or ns.tenant not in (session.tenants or ())):
+            raise Refused(Status.FORBIDDEN, f"namespace {ns_id.hex()} is not known here as one "
+                          "of this token's tenants' (the admin token may drop any id)")
+        if ns is not None:
+            self._count_tenant(ns.tenant, "requests")
+        result: int = await self._off_loop(self.pool.invalidate, ns or ns_id)
         return result
 
     # ------------------------------------------------------------------ reads
@@ -391,15 +406,18 @@ class NodeStore:
 
     async def stats(self, session: Session, transport: dict[str, Any]) -> dict[str, Any]:
         """STATS as ``session`` may see them. With auth on, a tenant token gets the node's
-        identity and its own tenants' counters only; the admin token (and every connection
-        when auth is off) gets the node's counters, ``transport``'s figures (connections,
-        requests in flight), the registry's, every tier's and every tenant's."""
+        identity and its own tenants' counters and namespaces only; the admin token (and
+        every connection when auth is off) gets the node's counters (``draining`` among
+        them), ``transport``'s figures (connections, requests in flight), the registry's and
+        its namespaces, every tier's and every tenant's."""
         if self.auth.enabled and not session.admin:
-            return {"server": self._identity(),
-                    "tenants": self._tenant_table(session.tenants or frozenset())}
+            mine = session.tenants or frozenset()
+            return {"server": self._identity(), "tenants": self._tenant_table(mine),
+                    "namespaces": self.namespaces.listing(mine)}
         server: dict[str, Any] = self.counters.snapshot()
-        server.update(self._identity(), **transport, **self.namespaces.stats())
-        out: dict[str, Any] = {"server": server}
+        server.update(self._identity(), **transport, **self.namespaces.stats(),
+                      draining=self.drained)
+        out: dict[str, Any] = {"server": server, "namespaces": self.namespaces.listing(None)}
         if self.auth.enabled:
             out["tenants"] = self._tenant_table(self.auth.tenants)
         tiers = await self._off_loop(self.pool.stats)

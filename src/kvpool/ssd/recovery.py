@@ -137,7 +137,7 @@ def _scan_segment(store: SegmentStore,
     found = summary.read(store, seg_no, sh.start_seq)
     if found is not None:
         return _from_summary(seg_no, sh.start_seq, found)
-    return _walk(store, seg_no, sh.start_seq)
+    return walk_segment(store, seg_no, sh.start_seq)
 
 
 def _from_summary(seg_no: int, start_seq: int,
@@ -193,7 +193,7 @@ def _header_at(block: memoryview | None) -> RecordHeader | None:
         return None
 
 
-def _walk(store: SegmentStore, seg_no: int,
+def walk_segment(store: SegmentStore, seg_no: int,
           start_seq: int) -> tuple[ScannedSegment, list[FoundRecord]]:
     """Follow the record headers from the segment's first record to its end, resynchronising
     on the next header of this life wherever a block is not one (see the module doc). One
@@ -257,7 +257,7 @@ def _discard_torn_tail(store: SegmentStore, seg_no: int, result: Scan,
     tail_start = scanned.end - verify_bytes
     torn: list[FoundRecord] = []
     for record in reversed(mine):
-        if record.offset < tail_start or record.is_tombstone or _payload_ok(store, record):
+        if record.offset < tail_start or record.is_tombstone or payload_ok(store, record):
             break
         torn.append(record)
     if not torn:
@@ -276,7 +276,7 @@ def _discard_torn_tail(store: SegmentStore, seg_no: int, result: Scan,
     return len(torn)
 
 
-def _payload_ok(store: SegmentStore, record: FoundRecord) -> bool:
+def payload_ok(store: SegmentStore, record: FoundRecord) -> bool:
     """The record's header still names it and its payload matches the header's checksum."""
     buf = memoryview(aligned_buffer(record.blocks * BLOCK))
     try:

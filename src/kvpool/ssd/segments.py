@@ -197,6 +197,44 @@ class SegmentStore:
         self._bases = [0] * count
         self._fd_of = list(self._fds)
 
+    @classmethod
+    def open_read_only(cls, path: Path) -> SegmentStore:
+        """A directory's segment files as they are, for offline checks (``kvpool admin
+        verify``): taken under the directory's lock like an engine's open (so no engine can
+        have it open meanwhile), opened read-only; nothing is created, cut or removed. The
+        store has a segment for every number up to the highest file; a missing number has no
+        fd (its reads fail with OSError). ``segment_size`` is the size most segment headers
+        name (0 if none is valid). Raises CacheDirLockedError if an engine holds the
+        directory, FileNotFoundError / NotADirectoryError for a path that is not a
+        directory, OSError if a file cannot be opened."""
+        if not path.is_dir():
+            raise (NotADirectoryError if path.exists() else FileNotFoundError)(
+                errno.ENOTDIR if path.exists() else errno.ENOENT, "not a directory", str(path))
+        store = cls.__new__(cls)
+        store._fds, store._bases, store._fd_of, store.direct = [], [], [], False
+        store._lock = lock_directory(path)
+        try:
+            numbered = {int(f.stem[4:]): f for f in path.glob("seg-*.kvs")
+                        if f.stem[4:].isdigit() and f.is_file()}
+            count = max(numbered, default=-1) + 1
+            store._fd_of = [-1] * count
+            store._bases = [0] * count
+            sizes: dict[int, int] = {}
+            block = memoryview(aligned_buffer(BLOCK))
+            for number, file in sorted(numbered.items()):
+                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                store._fds.append(fd)
+                store._fd_of[number] = fd
+                header = unpack_segment_header(block) if os.preadv(fd, [block], 0) == BLOCK \
+                    else None
+                if header is not None:
+                    sizes[header.segment_size] = sizes.get(header.segment_size, 0) + 1
+            store.segment_size = max(sizes, key=lambda n: sizes[n], default=0)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
     @property
     def count(self) -> int:
         return len(self._bases)

@@ -1,0 +1,101 @@
+"""``kvpool admin drain NODE`` / ``undrain NODE``: stop (and resume) placing new chunks on a
+node before maintenance, while reads of what it holds continue.
+
+A drain is the etcd key ``/kvpool/<cluster>/drained/<node_id>`` (cluster/membership.py), put
+without a lease so it outlives restarts of the node until ``undrain`` deletes it. Every client
+watches it (cluster/etcd_membership.py) and places writes over the nodes that are not drained
+(net/client.py); the node watches it too and shows ``draining`` in its STATS. With a static
+node list there is no flag every client would see: both commands refuse (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+from typing import Any
+
+from kvpool.admin.common import (
+    ETCD_TIMEOUT_S,
+    OK,
+    USAGE,
+    AdminError,
+    add_config_argument,
+    cluster_nodes,
+    cluster_of,
+    command,
+    load,
+)
+from kvpool.config import ClusterConfig
+from kvpool.errors import KVPoolError
+
+
+def add_arguments(sub: Any) -> None:
+    drain = sub.add_parser("drain", help="place no new chunks on a node (reads continue); "
+                           "needs etcd")
+    add_config_argument(drain)
+    drain.add_argument("node", help="node id (as `kvpool admin nodes` lists it)")
+    drain.add_argument("--force", action="store_true",
+                       help="drain a node that is not registered now (down, or not started)")
+    drain.set_defaults(func=command(admin_drain))
+    undrain = sub.add_parser("undrain", help="place new chunks on a drained node again")
+    add_config_argument(undrain)
+    undrain.add_argument("node", help="node id")
+    undrain.set_defaults(func=command(admin_undrain))
+
+
+def _etcd_cluster(args: argparse.Namespace) -> ClusterConfig:
+    cluster = cluster_of(load(args))
+    if not cluster.etcd:
+        raise AdminError("drain needs etcd (cluster.etcd): with a static cluster.nodes list "
+                         "no flag reaches every client; take the node out of each client's "
+                         "cluster.nodes instead", USAGE)
+    return cluster
+
+
+def _key(cluster: ClusterConfig, node_id: str) -> str:
+    from kvpool.cluster.membership import drained_key
+    try:
+        return drained_key(cluster.name, node_id)
+    except ValueError as exc:
+        raise AdminError(str(exc), USAGE) from None
+
+
+def _etcd(cluster: ClusterConfig) -> Any:
+    from kvpool.cluster.etcd import EtcdClient
+    return EtcdClient(cluster.etcd, ETCD_TIMEOUT_S)
+
+
+def admin_drain(args: argparse.Namespace) -> int:
+    """Put the drain key. Exit 1 if the node is not registered (without --force) or etcd
+    cannot be reached."""
+    cluster = _etcd_cluster(args)
+    key = _key(cluster, args.node)
+    registered = [n.node_id for n in cluster_nodes(cluster)]
+    if args.node not in registered and not args.force:
+        raise AdminError(f"node {args.node!r} is not registered in cluster {cluster.name!r} "
+                         f"(registered: {', '.join(registered) or 'none'}); --force drains "
+                         "it anyway")
+    value = json.dumps({"since": time.time(), "by": socket.gethostname()}).encode()
+    try:
+        _etcd(cluster).put(key, value)
+    except KVPoolError as exc:
+        raise AdminError(str(exc)) from None
+    print(f"node {args.node} drained: clients place no new chunks on it once their etcd "
+          f"watch sees {key} (milliseconds, plus cluster.live_cache_s); reads of what it "
+          f"holds continue. Undo with `kvpool admin undrain {args.node}`.")
+    return OK
+
+
+def admin_undrain(args: argparse.Namespace) -> int:
+    """Delete the drain key (exit 0 also when the node was not drained)."""
+    cluster = _etcd_cluster(args)
+    key = _key(cluster, args.node)
+    try:
+        deleted = _etcd(cluster).delete(key)
+    except KVPoolError as exc:
+        raise AdminError(str(exc)) from None
+    print(f"node {args.node} undrained: new chunks are placed on it again" if deleted
+          else f"node {args.node} was not drained")
+    return OK

@@ -1,0 +1,73 @@
+"""``kvpool admin verify DIR``: check an SSD segment directory offline (ssd/verify.py).
+
+Exit 0 when it is clean, 1 when damage was found (a summary of what on stdout) or the
+directory is held by a running pool, 2 when DIR is no kvpool SSD directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvpool.admin.common import FAILED, OK, USAGE, AdminError, command, console, print_json
+from kvpool.errors import CacheDirLockedError
+
+
+def add_arguments(sub: Any) -> None:
+    p = sub.add_parser("verify", help="scan an SSD directory offline: records, bad records, "
+                       "summaries")
+    p.add_argument("dir", help="the SSD directory (<cache_dir>/ssd, or ssd.path); a cache_dir "
+                   "holding an ssd/ directory is taken as that")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=command(admin_verify))
+
+
+def admin_verify(args: argparse.Namespace) -> int:
+    from kvpool.ssd.verify import verify_directory
+    path = Path(args.dir).expanduser()
+    if not any(path.glob("seg-*.kvs")) and (path / "ssd").is_dir():
+        path = path / "ssd"  # a cache_dir
+    # What the walk logs (stepped-over blocks) is in the report; keep stderr to errors.
+    logging.getLogger("kvpool.ssd").setLevel(logging.ERROR)
+    try:
+        report = verify_directory(path)
+    except CacheDirLockedError as exc:
+        who = f"pid {exc.holder_pid}" if exc.holder_pid is not None else "pid unknown"
+        raise AdminError(f"cannot verify {path}: a running kvpool SSD engine holds it "
+                         f"({who}); stop that pool or node first: verify reads the directory "
+                         "offline") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise AdminError(f"{path} is not a directory", USAGE) from None
+    except ValueError as exc:
+        raise AdminError(str(exc), USAGE) from None
+    except OSError as exc:
+        raise AdminError(f"cannot read {path}: {exc}") from None
+    if args.json:
+        print_json(report.as_dict())
+        return FAILED if report.damaged else OK
+    from rich.table import Table
+    table = Table(title=f"{path}: segments of {report.segment_size} bytes")
+    for col in ("segment", "state", "good", "bad", "torn", "tombstones", "skipped blocks",
+                "summary"):
+        table.add_column(col, justify="right" if col != "summary" else "left")
+    for s in report.segments:
+        if s.state in ("free", "missing") and not s.damaged:
+            continue
+        table.add_row(str(s.number), s.state, *(str(v) for v in (
+            s.good, s.bad, s.torn, s.tombstones, s.skipped_blocks)),
+            s.summary + (f": {s.summary_detail}" if s.summary_detail else ""))
+    out = console(120)
+    out.print(table)
+    t = report.totals()
+    for s in report.segments:
+        for bad in s.bad_records:
+            out.print(f"segment {s.number}: record seq {bad['seq']} at offset "
+                          f"{bad['offset']} (key {bad['key']}): {bad['problem']}")
+    verdict = "DAMAGED" if report.damaged else "clean"
+    out.print(f"{verdict}: {t['used']} of {t['segments']} segments in use, {t['good']} good "
+                  f"records, {t['bad']} bad, {t['torn']} torn, {t['skipped_blocks']} blocks "
+                  f"between records that are not headers, {t['summary_mismatches']} summaries "
+                  "that disagree with their records")
+    return FAILED if report.damaged else OK
