@@ -69,7 +69,8 @@ LOG_EVENTS_SECTION = [
     "## Log events",
     "",
     "`kvpool serve` and `kvpool demo` configure logging from the `log` section (an embedded",
-    "pool leaves its host process's logging alone). With `log.format: json` each line is one",
+    "pool leaves its host process's logging alone unless `log.configure`). With",
+    "`log.format: json` each line is one",
     "object: `ts`, `level`, `logger`, `event` (null for other lines), `message` and the",
     "event's fields below.",
     "",
@@ -77,6 +78,9 @@ LOG_EVENTS_SECTION = [
     "| --- | --- | --- | --- |",
     "| `node_joined`, `node_left` | info | kvpool.cluster.etcd_membership | `cluster`, `node`, "
     "`address`: a client's etcd membership saw a node come or go (the first read included) |",
+    "| `node_drained`, `node_undrained` | info | kvpool.cluster.etcd_membership | `cluster`, "
+    "`node`: `kvpool admin drain` / `undrain` as a client's membership saw it (the first "
+    "read included) |",
     "| `segment_evicted` | info | kvpool.ssd | `segment`, `records_dropped`, "
     "`copied_forward` |",
     "| `checksum_failure` | warning | kvpool.ssd | `segment`, `offset` (bytes into the "
@@ -86,6 +90,9 @@ LOG_EVENTS_SECTION = [
     "rate-limited like checksum_failure |",
     "| `memory_reserve` | warning | kvpool.serve | `dram_capacity`, `available` (bytes): see "
     "the reserve-20% row above |",
+    "| `dropped_save` | warning | kvpool.writebehind | `queue` (ssd_staging, "
+    "cluster_staging), `cause` (full), `dropped`: one line per burst (at most one per 10 s), "
+    "`dropped` saves since the last |",
 ]
 
 

@@ -198,10 +198,12 @@ def test_a_new_watcher_sees_existing_nodes(etcd_endpoint: str, cluster_name: str
         assert members.live_nodes() == [node(3)]
 
 
-def test_drained_keys_are_seen_by_watchers_old_and_new(etcd_endpoint: str,
-                                                       cluster_name: str) -> None:
+def test_drained_keys_are_seen_by_watchers_old_and_new(
+        etcd_endpoint: str, cluster_name: str, caplog: pytest.LogCaptureFixture) -> None:
     """`kvpool admin drain` puts /kvpool/<cluster>/drained/<id>: a running watcher sees it come
-    and go, a new one reads it, and it never reads as a node (nor fires on_change)."""
+    and go (logging node_drained / node_undrained once each), a new one reads it, and it never
+    reads as a node (nor fires on_change)."""
+    caplog.set_level(logging.INFO, logger="kvpool.cluster")
     etcd = EtcdClient([etcd_endpoint])
     changes: list[list[str]] = []
     with NodeRegistration([etcd_endpoint], cluster_name, node(1)), \
@@ -218,6 +220,12 @@ def test_drained_keys_are_seen_by_watchers_old_and_new(etcd_endpoint: str,
         etcd.delete(drained_key(cluster_name, "node-1"))
         wait_for(lambda: members.drained_nodes() == {"node-9"}, 5, "watcher sees the undrain")
         assert ids(members.live_nodes()) == ["node-1"] and changes == []
+    drains = [(r.event, r.node) for r in caplog.records
+              if getattr(r, "event", None) in ("node_drained", "node_undrained")]
+    # once each by the running watcher; the fresh one's initial read names both drains too
+    assert drains == [("node_drained", "node-1"), ("node_drained", "node-9"),
+                      ("node_drained", "node-1"), ("node_drained", "node-9"),
+                      ("node_undrained", "node-1")]
     assert StaticMembership(["10.0.0.1:7000"]).drained_nodes() == frozenset()
     etcd.delete(drained_key(cluster_name, "node-9"))
 

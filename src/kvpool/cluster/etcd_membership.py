@@ -106,6 +106,7 @@ class EtcdMembership:
         self._nodes: dict[bytes, NodeInfo] = {}
         self._view: list[NodeInfo] = []
         self._drained: frozenset[str] = frozenset()
+        self._drained_logged: frozenset[str] = frozenset()  # the drains the log has named
         self._stop = threading.Event()
         self._stream: WatchStream | None = None
         self._revision = self._resync(notify=False)
@@ -157,9 +158,13 @@ class EtcdMembership:
     def _publish(self, notify: bool) -> None:
         with self._lock:
             view = sorted_nodes(self._nodes.values())
-            if view == self._view:
-                return
-            before, self._view = self._view, view
+            drained_before, self._drained_logged = self._drained_logged, self._drained
+            drained = self._drained
+            before = self._view
+            self._view = view
+        _log_drains(self.cluster, drained_before, drained)
+        if view == before:
+            return
         _log_changes(self.cluster, before, view)
         if notify and self._on_change is not None:
             try:
@@ -263,6 +268,16 @@ def _log_changes(cluster: str, before: list[NodeInfo], after: list[NodeInfo]) ->
         log.info("kvpool membership %s: node %s (%s) joined", cluster, node.node_id,
                  node.address(), extra={"event": "node_joined", "cluster": cluster,
                                         "node": node.node_id, "address": node.address()})
+
+
+def _log_drains(cluster: str, before: frozenset[str], after: frozenset[str]) -> None:
+    """One INFO line per node drained or undrained (events node_drained / node_undrained)."""
+    for node_id, event, what in [*((n, "node_undrained", "undrained") for n in
+                                   sorted(before - after)),
+                                 *((n, "node_drained", "drained: no new chunks") for n in
+                                   sorted(after - before))]:
+        log.info("kvpool membership %s: node %s %s", cluster, node_id, what,
+                 extra={"event": event, "cluster": cluster, "node": node_id})
 
 
 def list_nodes(endpoints: Sequence[str], cluster: str, timeout_s: float = 2.0) -> list[NodeInfo]:
