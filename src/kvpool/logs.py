@@ -5,10 +5,9 @@ record carries ``extra={"event": NAME, ...fields}``: text logs show the message 
 the figures), JSON logs one object per line with ts, level, logger, event, message and the
 fields. The events: ``node_joined`` / ``node_left`` and ``node_drained`` /
 ``node_undrained`` (a client's etcd membership), ``dropped_save`` (a full write-behind
-queue, once per burst),
-``segment_evicted`` (SSD), ``checksum_failure`` (SSD read: segment, offset, a key prefix;
-rate-limited), ``auth_failure`` (a node refused a token: peer), ``memory_reserve`` (a node's
-start-up memory check).
+queue, once per burst), ``segment_evicted`` (SSD), ``checksum_failure`` (SSD read: segment,
+offset, a key prefix; rate-limited), ``auth_failure`` (a node refused a token: peer),
+``memory_reserve`` (a node's start-up memory check).
 
 Only commands configure logging (``configure_logging``): ``kvpool serve`` and ``kvpool demo``.
 An embedded pool never touches its host process's logging (vLLM's, an application's).
