@@ -6,10 +6,14 @@ The trace is the flat reference stream of every request's chunks; next uses are 
 with one stable argsort (``next_use``), victims come from a heap with lazy deletion. It
 maximises the references that find their chunk resident, so its ``resident`` hit rate bounds
 the chunk hit rate of any policy at that capacity from above; its ``prefix`` hits (the leading
-run a lookup would return, what the tiers serve) are what the report compares with. A
-prefix-aware variant is left out: Belady already never keeps a descendant whose next use is
-later than its ancestor's is, except where a prefix is re-referenced only partially, and no
-simple rule dominates it there.
+run a lookup would return, what the tiers serve) are what the report compares with.
+
+No separate prefix-aware variant: in a trace of this format an id stands for its whole prefix,
+so every request that references a chunk references all its ancestors before it, and an
+ancestor's next use is never later than its descendant's. Belady thus already evicts
+descendants first (tail-first, leaf-first); the only exception is a descendant due again later
+in the request being replayed. On the synthetic trace its prefix and resident hit rates are
+equal, so Belady's prefix hit rate is the optimum a prefix-aware policy could reach.
 """
 
 from __future__ import annotations

@@ -51,11 +51,11 @@ class ReplayResult:
 
     @property
     def hits(self) -> np.ndarray:
-        return self.dram_hits + self.ssd_hits
+        return np.asarray(self.dram_hits + self.ssd_hits)
 
     @property
     def hit_tokens(self) -> np.ndarray:
-        return self.dram_hit_tokens + self.ssd_hit_tokens
+        return np.asarray(self.dram_hit_tokens + self.ssd_hit_tokens)
 
 
 class _Demoter:
