@@ -183,6 +183,14 @@ def test_ssd_hits_promote_into_dram(tmp_path: Path) -> None:
     assert res.counters["ssd_writes"] == 2  # through: the first request's puts only
     assert res.counters["dram_writes"] == 4  # two puts, two promotions
 
+def test_without_dram_the_ssd_gets_every_put(tmp_path: Path) -> None:
+    t = read_trace(write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 2, 3]]))
+    for mode in ("through", "evict"):
+        res = replay(t, TierConfig("lru", 0, ssd_segments=2, segment_size=64 << 10,
+                                   ssd_write=mode), 4096)
+        assert res.ssd_hits.tolist() == [0, 2] and res.dram_hits.sum() == 0
+        assert res.counters["ssd_writes"] == 3
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -127,7 +127,8 @@ def replay(trace: Trace, cfg: TierConfig, chunk_bytes: int) -> ReplayResult:
                    cfg.copy_forward_fraction) if cfg.ssd_segments else None
     demoter = _Demoter(make_admission_policy(cfg.admission, cfg.second_use_window), ssd)
     dram = DramModel(cfg.policy, cfg.dram_chunks, demoter)
-    through = cfg.ssd_write == "through"
+    # As tiers/stack.py builds it: with no DRAM every put goes to the SSD, whatever ssd_write.
+    through = cfg.ssd_write == "through" or cfg.dram_chunks == 0
     promote = cfg.promote_on_hit and cfg.dram_chunks > 0
     keys, tokens = trace.keys.tolist(), trace.tokens.tolist()
     starts = trace.starts.tolist()
