@@ -1,4 +1,4 @@
-"""``kvpool`` command line: demo, serve, monitor, admin, bench, config."""
+"""``kvpool`` command line: demo, plan, serve, monitor, admin, bench, config."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.demo import cli as demo_cli
     demo_cli.add_arguments(demo)
     demo.set_defaults(func=demo_cli.run_from_args)
+    from kvpool.plan import cli as plan_cli
+    plan = sub.add_parser("plan", help="replay a whole request trace offline: hit rate, TTFT "
+                          "and cost per tier size and policy, beside Belady")
+    plan_cli.add_arguments(plan)
+    plan.set_defaults(func=plan_cli.run_from_args)
     from kvpool.server import cli as server_cli
     serve = sub.add_parser("serve", help="run a storage node (DRAM + SSD over the network)")
     server_cli.add_serve_arguments(serve)
@@ -56,6 +61,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import serve as serve_bench
     serve_bench.add_arguments(serve_p)
     serve_p.set_defaults(func=serve_bench.run_from_args)
+    trace_p = bench_sub.add_parser("trace", help="kvpool plan: a whole trace replayed "
+                                   "through kvpool's policies, beside Belady")
+    plan_cli.add_arguments(trace_p)
+    trace_p.set_defaults(func=plan_cli.run_from_args)
     return parser
 
 

@@ -1,0 +1,140 @@
+"""``kvpool plan`` (also ``kvpool bench trace``): options, and the run behind them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+from kvpool.config import parse_size
+from kvpool.plan import cost
+from kvpool.plan.planner import PlanSettings, plan
+from kvpool.plan.trace import SOURCE_BLOCK, read_trace
+from kvpool.policy import EVICTION_POLICIES, SEGMENT_POLICIES
+
+DEFAULT_DRAM = ("5%", "10%", "25%", "50%", "100%")
+DEFAULT_SSD = ("0", "100%")
+
+_COST_FLAGS = {  # CostModel field -> help
+    "prefill_s_per_token": "prefill seconds per prompt token",
+    "lookup_s": "seconds per lookup",
+    "dram_read_gbps": "DRAM read bandwidth, GB/s",
+    "dram_latency_s": "DRAM read latency, seconds",
+    "ssd_read_gbps": "SSD read bandwidth, GB/s",
+    "ssd_latency_s": "SSD read latency, seconds",
+    "gpu_hour_usd": "price of one engine (GPU) hour, USD",
+    "dram_gib_month_usd": "DRAM price per GiB-month, USD",
+    "ssd_gib_month_usd": "SSD price per GiB-month, USD",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = PlanSettings(0, None, (), (), ())
+    parser.add_argument("--trace", metavar="FILE", type=Path, required=True,
+                        help="request trace (JSON lines, the format of shared/traces)")
+    parser.add_argument("--requests", metavar="N", type=int, default=None,
+                        help="replay only the first N requests")
+    parser.add_argument("--block-tokens", metavar="N", type=int, default=SOURCE_BLOCK,
+                        help=f"tokens per chunk; must divide the trace's {SOURCE_BLOCK}-token "
+                             f"blocks (default {SOURCE_BLOCK})")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--bytes-per-token", metavar="N", type=int, default=None,
+                      help="KV bytes per token (instead of --model)")
+    size.add_argument("--model", metavar="NAME", choices=sorted(cost.MODELS), default=None,
+                      help=f"bytes per token of a known model: {', '.join(sorted(cost.MODELS))} "
+                           f"(default {cost.DEFAULT_MODEL})")
+    parser.add_argument("--dram", metavar="SIZE", nargs="+", default=list(DEFAULT_DRAM),
+                        help="DRAM sizes: bytes (4GiB) or %% of the trace's distinct chunks "
+                             f"(default {' '.join(DEFAULT_DRAM)})")
+    parser.add_argument("--ssd", metavar="SIZE", nargs="+", default=list(DEFAULT_SSD),
+                        help="SSD sizes, as --dram; 0 = no SSD (default "
+                             f"{' '.join(DEFAULT_SSD)})")
+    parser.add_argument("--policy", metavar="NAME", nargs="+", choices=sorted(EVICTION_POLICIES),
+                        default=sorted(EVICTION_POLICIES),
+                        help=f"DRAM eviction policies (default all: "
+                             f"{', '.join(sorted(EVICTION_POLICIES))})")
+    parser.add_argument("--ssd-policy", choices=sorted(SEGMENT_POLICIES),
+                        default=defaults.ssd_policy, help="ssd.eviction (default %(default)s)")
+    parser.add_argument("--ssd-segment", metavar="SIZE", default=str(defaults.segment_size),
+                        help="ssd.segment_size (default %(default)s bytes)")
+    parser.add_argument("--copy-forward-fraction", type=float,
+                        default=defaults.copy_forward_fraction,
+                        help="ssd.copy_forward_fraction (default %(default)s)")
+    parser.add_argument("--ssd-write", choices=("through", "evict"), default=defaults.ssd_write,
+                        help="pool.ssd_write (default %(default)s)")
+    parser.add_argument("--admission", choices=("always", "second_use"),
+                        default=defaults.admission,
+                        help="ssd.admission, with --ssd-write evict (default %(default)s)")
+    parser.add_argument("--storage-json", metavar="PATH", type=Path, default=None,
+                        help="read DRAM and SSD read bandwidth from kvpool bench storage --json")
+    for name, text in _COST_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=None,
+                            help=f"{text} (default {getattr(defaults.costs, name):g})")
+    parser.add_argument("--ttft-p99", metavar="SECONDS", type=float, default=None,
+                        help="report the cheapest configuration whose TTFT p99 is at most this")
+    parser.add_argument("--json", metavar="PATH", type=Path, default=None,
+                        help="also write the results as JSON to PATH")
+    parser.add_argument("--plot", metavar="DIR", type=Path, default=None,
+                        help="write PNG charts into DIR (needs matplotlib: the hf extra)")
+
+
+def settings_from_args(args: argparse.Namespace) -> PlanSettings:
+    """Raises ValueError for a bad size or option, OSError for an unreadable --storage-json."""
+    if args.bytes_per_token is not None:
+        if args.bytes_per_token < 1:
+            raise ValueError(f"--bytes-per-token must be >= 1, got {args.bytes_per_token}")
+        bpt, model = args.bytes_per_token, None
+    else:
+        model = args.model or cost.DEFAULT_MODEL
+        bpt = cost.model_bytes_per_token(model)
+    costs = cost.CostModel()
+    if args.storage_json is not None:
+        costs = costs.with_storage_json(args.storage_json)
+    given = {f.name: getattr(args, f.name) for f in fields(costs)
+             if getattr(args, f.name, None) is not None}
+    bad = [k for k, v in given.items() if v < 0 or (k.endswith("gbps") and v == 0)]
+    if bad:
+        raise ValueError(f"--{bad[0].replace('_', '-')} must be positive")
+    if not 0 <= args.copy_forward_fraction <= 0.9:
+        raise ValueError("--copy-forward-fraction must be in [0, 0.9]")
+    return PlanSettings(bytes_per_token=bpt, model=model, dram=args.dram, ssd=args.ssd,
+                        policies=args.policy, ssd_policy=args.ssd_policy,
+                        segment_size=parse_size(args.ssd_segment),
+                        copy_forward_fraction=args.copy_forward_fraction,
+                        ssd_write=args.ssd_write, admission=args.admission,
+                        ttft_p99_s=args.ttft_p99, costs=replace(costs, **given))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """0 on success; 2 (with the reason on stderr) for a bad trace, option or file."""
+    from rich.console import Console
+
+    from kvpool.plan.report import print_report, write_json
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # tables stay readable when piped or logged
+    try:
+        settings = settings_from_args(args)
+        trace = read_trace(args.trace, args.block_tokens)
+        if args.requests is not None:
+            if args.requests < 1:
+                raise ValueError(f"--requests must be >= 1, got {args.requests}")
+            trace = trace.head(args.requests)
+        result = plan(trace, settings)
+    except (ValueError, OSError) as exc:
+        print(f"kvpool plan: {exc}", file=sys.stderr)
+        return 2
+    print_report(result, console)
+    try:
+        if args.json is not None:
+            write_json(result, args.json)
+            console.print(f"wrote {args.json}")
+        if args.plot is not None:
+            from kvpool.plan.plots import write_plots
+            for path in write_plots(result, args.plot):
+                console.print(f"wrote {path}")
+    except (RuntimeError, OSError) as exc:
+        print(f"kvpool plan: {exc}", file=sys.stderr)
+        return 2
+    return 0

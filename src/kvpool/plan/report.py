@@ -1,0 +1,76 @@
+"""The planner's tables (rich) and its JSON file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _size(label: str, n: int) -> str:
+    return f"{label} ({n / (1 << 30):.2f} GiB)" if n else label
+
+
+def _s(x: float) -> str:
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def print_report(result: dict[str, Any], console: Console) -> None:
+    """Trace summary, one row per configuration, Belady per DRAM size, ratios, cheapest."""
+    t = result["trace"]
+    console.print(f"[bold]{t['name']}[/]: {t['requests']:,} requests, {t['references']:,} "
+                  f"chunk references, {t['distinct_chunks']:,} distinct chunks of "
+                  f"{t['block_tokens']} tokens ({result['chunk_bytes']:,} bytes at "
+                  f"{result['bytes_per_token']:,} bytes/token"
+                  + (f", {result['model']}" if result["model"] else "") + ")")
+    table = Table(title="replay per configuration (chunk hit rate = prefix chunks served)")
+    for col in ("policy", "DRAM", "SSD", "req hit", "chunk hit", "token hit",
+                "vs Belady", "SSD WA", "TTFT p50", "TTFT p99", "tok/s", "$/Mtok", "replay"):
+        table.add_column(col, justify="left" if col in ("policy", "DRAM", "SSD") else "right")
+    for r in result["rows"]:
+        vs = r["vs_belady"]
+        table.add_row(r["policy"], _size(r["dram"], r["dram_bytes"]),
+                      _size(r["ssd"], r["ssd_bytes"]), f"{r['request_hit_rate']:.3f}",
+                      f"{r['chunk_hit_rate']:.3f}", f"{r['token_hit_rate']:.3f}",
+                      "-" if vs is None else f"{vs:.2f}x",
+                      f"{r['ssd_write_amplification']:.3f}" if r["ssd_bytes"] else "-",
+                      _s(r["ttft_p50_s"]), _s(r["ttft_p99_s"]), f"{r['tokens_per_s']:,.0f}",
+                      f"{r['usd_per_mtok']:.3f}", f"{r['elapsed_s']:.2f} s")
+    console.print(table)
+    bel = Table(title="Belady (offline optimum, DRAM only)")
+    for col in ("DRAM", "chunks", "req hit", "chunk hit", "token hit", "resident hit",
+                "TTFT p99", "$/Mtok"):
+        bel.add_column(col, justify="left" if col == "DRAM" else "right")
+    for b in result["belady"]:
+        bel.add_row(_size(b["dram"], b["dram_bytes"]), f"{b['dram_chunks']:,}",
+                    f"{b['request_hit_rate']:.3f}",
+                    f"{b['chunk_hit_rate']:.3f}", f"{b['token_hit_rate']:.3f}",
+                    f"{b['resident_hit_rate']:.3f}", _s(b["ttft_p99_s"]),
+                    f"{b['usd_per_mtok']:.3f}")
+    console.print(bel)
+    base = result["no_cache"]
+    console.print(f"no cache: TTFT p50 {_s(base['ttft_p50_s'])}, p99 {_s(base['ttft_p99_s'])}, "
+                  f"{base['usd_per_mtok']:.3f} $/Mtok")
+    for name, value in result["ratios"].items():
+        b = result["ratio_basis"][name]
+        console.print(f"{name}: [bold]{value:.3f}[/] ({b['policy']} "
+                      f"{b['chunk_hit_rate']:.3f} / Belady {b['belady_chunk_hit_rate']:.3f} at "
+                      f"{b['dram_chunks']:,} chunks)")
+    target = result["ttft_p99_target_s"]
+    if target is not None:
+        best = result["cheapest"]
+        if best is None:
+            console.print(f"no configuration meets TTFT p99 <= {_s(target)}")
+        else:
+            console.print(f"cheapest meeting TTFT p99 <= {_s(target)}: policy {best['policy']}, "
+                          f"DRAM {best['dram']}, SSD {best['ssd']}: "
+                          f"{best['usd_per_mtok']:.3f} $/Mtok, p99 {_s(best['ttft_p99_s'])}")
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    """Raises OSError if the file cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")

@@ -1,0 +1,97 @@
+"""A request trace (the format of ``shared/traces``) as flat numpy arrays of chunk references.
+
+Each 512-token hash block of a request is one chunk, or ``512 / block_tokens`` chunks with
+``block_tokens`` (the key of sub-chunk ``s`` of hash id ``h`` is ``h * (512 / block_tokens) + s``,
+so equal ids still give equal chunks). A request's last block may be short: its chunks carry
+the tokens they hold (``tokens``), while every chunk occupies one full chunk of bytes in a tier.
+Prompt tokens past the last block (a trace whose ``input_length`` exceeds its blocks) are never
+cacheable and always prefilled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# The line-numbered validation of ``kvpool demo --trace``: one parser for the format.
+from kvpool.demo.workloads.trace import _read_trace
+
+#: Tokens per hash id in the shared/traces format.
+SOURCE_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Chunk references in request order; request ``i`` owns ``keys[starts[i]:starts[i+1]]``."""
+
+    name: str
+    block_tokens: int
+    keys: np.ndarray  # int64 chunk key per reference
+    tokens: np.ndarray  # int64 tokens each reference holds (<= block_tokens)
+    starts: np.ndarray  # int64, requests + 1 offsets into keys
+    input_tokens: np.ndarray  # int64 prompt tokens per request
+    timestamps: np.ndarray  # float64 seconds since the first request
+
+    @property
+    def requests(self) -> int:
+        return int(self.starts.size - 1)
+
+    @property
+    def references(self) -> int:
+        return int(self.keys.size)
+
+    @property
+    def distinct(self) -> int:
+        """Distinct chunks: the capacity at which nothing is ever evicted."""
+        return int(np.unique(self.keys).size)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.timestamps[-1] - self.timestamps[0]) if self.requests else 0.0
+
+    def head(self, requests: int) -> Trace:
+        """The first ``requests`` requests only."""
+        end = int(self.starts[min(requests, self.requests)])
+        n = min(requests, self.requests)
+        return Trace(self.name, self.block_tokens, self.keys[:end], self.tokens[:end],
+                     self.starts[:n + 1], self.input_tokens[:n], self.timestamps[:n])
+
+
+def check_block_tokens(block_tokens: int) -> None:
+    """Raises ValueError unless ``block_tokens`` divides the trace's 512-token blocks."""
+    if block_tokens < 1 or SOURCE_BLOCK % block_tokens:
+        raise ValueError(f"--block-tokens must divide {SOURCE_BLOCK}, got {block_tokens}")
+
+
+def read_trace(path: Path | str, block_tokens: int = SOURCE_BLOCK) -> Trace:
+    """Read and validate a whole trace. Raises ValueError naming the file and line of the
+    first malformed line (bad JSON, a missing or mistyped field, an empty ``hash_ids``), for
+    an empty trace, or for a ``block_tokens`` that does not divide 512; OSError if the file
+    cannot be read."""
+    check_block_tokens(block_tokens)
+    p = Path(path)
+    rows = _read_trace(p)
+    split = SOURCE_BLOCK // block_tokens
+    keys: list[int] = []
+    tokens: list[int] = []
+    starts = [0]
+    for row in rows:
+        left = row.input_length
+        for h in row.hash_ids:
+            block = min(left, SOURCE_BLOCK)
+            if block <= 0:
+                break  # more ids than the prompt has tokens for: the extra ids are unused
+            left -= block
+            base = h * split
+            for s in range(-(-block // block_tokens)):
+                keys.append(base + s)
+                tokens.append(min(block_tokens, block - s * block_tokens))
+        starts.append(len(keys))
+    ts = np.asarray([row.timestamp for row in rows], dtype=np.float64) / 1000.0
+    return Trace(name=p.name, block_tokens=block_tokens,
+                 keys=np.asarray(keys, dtype=np.int64), tokens=np.asarray(tokens, dtype=np.int64),
+                 starts=np.asarray(starts, dtype=np.int64),
+                 input_tokens=np.asarray([row.input_length for row in rows], dtype=np.int64),
+                 timestamps=ts - ts[0])
