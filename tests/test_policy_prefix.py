@@ -1,9 +1,15 @@
 """The prefix-aware eviction policy (dram.eviction: prefix): exact orders on hand-made
 sequences, through the policy object, the DRAM tier and a DRAM-only KVPool."""
 
+from pathlib import Path
+
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvtest import byte_namespace, payload_for, small_config
 
+from kvpool import KVPool
+from kvpool.keys import Namespace
 from kvpool.policy import (
     EvictionPolicy,
     LRUPolicy,
@@ -11,6 +17,7 @@ from kvpool.policy import (
     S3FIFOPolicy,
     make_eviction_policy,
 )
+from kvpool.tiers.dram import DramTier
 
 
 def drain(policy: EvictionPolicy) -> list[object]:
@@ -109,3 +116,63 @@ def test_prefix_policy_tracks_exactly_the_resident_set(ops: list[tuple[str, int,
                 resident.discard(victim)  # type: ignore[arg-type]
         assert len(policy) == len(resident)
         assert all(k in policy for k in resident)
+
+
+# ---------------------------------------------------------------- through the DRAM tier
+CHUNK = 64 << 10
+SLAB = 4 * CHUNK
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+class Victims:
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+
+    def demote(self, key: bytes, ns: Namespace, view: memoryview, hits: int,
+               on_lower: bool) -> None:
+        self.keys.append(key)
+
+
+def test_dram_tier_evicts_a_prefix_tail_before_its_head() -> None:
+    ns = byte_namespace()
+    for eviction, expected in (("prefix", [3, 2, 1, 0]), ("s3fifo", [0, 1, 2, 3])):
+        victims = Victims()
+        tier = DramTier(2 * SLAB, SLAB, eviction, demote=victims)  # 8 slots
+        prefix = [k(i) for i in range(4)]
+        assert tier.put_many([(key, ns, memoryview(payload_for(key))) for key in prefix]) \
+            == [True] * 4
+        for i in range(10, 18):  # 8 unrelated chunks, one put each: evict the 4 above
+            assert tier.put(k(i), ns, payload_for(k(i)))
+        assert victims.keys == [k(i) for i in expected], eviction
+        tier.close()
+
+
+def test_pool_keeps_a_prefix_head_under_pressure(tmp_path: Path) -> None:
+    """DRAM-only pool of 16 chunks: a prefix of 6 saved by put_many, one of 6 by
+    reserve_many + commit_many, then 8 unrelated chunks (4 evictions). prefix evicts the
+    newer batch's tail, then the older batch from its tail: both heads stay (3 + 5 chunks
+    found); s3fifo evicts the older prefix from its head: all of it is lost (0 + 6)."""
+    ns = byte_namespace()
+    found: dict[str, list[int]] = {}
+    for eviction in ("prefix", "s3fifo"):
+        config = small_config(tmp_path / eviction, ssd={"enabled": False},
+                              dram={"eviction": eviction})
+        with KVPool(config) as pool:
+            pool.register_namespace(ns)
+            saved = [k(i) for i in range(6)]
+            assert pool.put_many(ns, saved, [payload_for(x) for x in saved]) == 6
+            filled = [k(i) for i in range(100, 106)]
+            slots = pool.reserve_many(ns, filled)
+            for slot, key in zip(slots, filled, strict=True):
+                assert not isinstance(slot, bool) and slot is not None
+                np.frombuffer(slot.view, np.uint8)[:] = payload_for(key)
+            assert pool.commit_many([s for s in slots if not isinstance(s, bool | None)]) == 6
+            for i in range(200, 208):
+                assert pool.put(ns, k(i), payload_for(k(i)))
+            found[eviction] = [pool.lookup(ns, saved), pool.lookup(ns, filled)]
+            out = np.zeros(ns.chunk_bytes, np.uint8)
+            assert pool.get_into(ns, saved[0], out) == (eviction == "prefix")
+    assert found == {"prefix": [3, 5], "s3fifo": [0, 6]}

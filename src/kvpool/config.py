@@ -74,7 +74,7 @@ class DramConfig(_Section):
 
     capacity: Size = Field(1 << 30, description="Arena size; a hard bound on DRAM use. 0 disables the DRAM tier.")
     slab_size: Size = Field(64 << 20, description="Unit the arena hands to a size class; must be >= the largest chunk.")
-    eviction: Literal["lru", "s3fifo"] = Field("s3fifo", description="Eviction policy of each size class.")
+    eviction: Literal["lru", "s3fifo", "prefix"] = Field("s3fifo", description="Eviction policy of each size class. prefix: S3-FIFO that evicts each put_many's chunks tail first (a chunk is useful only while its whole prefix is cached; see docs/storage.md Eviction).")
     shm_path: str | None = Field(None, description="Back the arena by this /dev/shm file (shared with local engine processes) instead of anonymous memory.")
     prefault: Literal["none", "start", "background"] = Field("start", description="When the arena's pages are taken. start: all pages when the pool opens (MADV_POPULATE_WRITE, ~0.5 s per GiB here), so an engine pays them at start-up; none: on a chunk's first write (a put into never-touched memory pays a page fault and zero-fill per 4 KiB, ~7x slower than the copy itself); background: a nice +10 thread populates slab by slab from start, opening does not wait. Measured with the vLLM CPU engine on 2 cores (kvpool bench vllm, full runs): start gave hit p99/median 1.29 and first request 1.07x; none 1.75 and 11.2 (one 1.4 s hit right after a store) and 1.23x / 1.21x; background slowed the first request to 3.2 s (its kernel work shares the cores the forward's threads wait on). RSS grows to dram.capacity with start and background. true / false mean start / none.")
 
