@@ -4,8 +4,9 @@ A chunk is useful only while its whole prefix is cached, so a chunk is reused at
 often as its parent: along a prefix, reuse only falls with depth. The pool's batched calls
 carry keys in prefix order (``KVPool.put_many`` of a prefix's chunks; the DRAM tier passes a
 put batch to ``put_batch``), which is all this policy knows of the prefix tree. Within a put
-batch its new keys are requeued in the small queue S tail first: the deepest chunk at S's
-evict end (it goes first), the others so that the head leaves S last. Everything else, and
+batch its new keys are requeued tail first, so that the head of the batch leaves last: in the
+small queue S, and in the main queue M for keys that came back from the ghost queue; the
+deepest chunk of the batch goes to S's evict end (it goes first of all). Everything else, and
 every batch of one key, is S3-FIFO unchanged (see s3fifo.py).
 
 On the synthetic trace (one chunk per hash id: lookup, get the hit prefix, put the rest) the
@@ -24,9 +25,9 @@ from kvpool.policy.s3fifo import S3FIFOPolicy
 class PrefixS3FIFOPolicy(S3FIFOPolicy):
     def put_batch(self, keys: Sequence[Key]) -> None:
         """``keys`` were just put by one call, in prefix order (each the parent of the next).
-        Only the new ones are requeued: resident in S and not accessed since insertion
-        (a key that was already stored was touched by its put); keys no longer resident or
-        sent to M through the ghost queue are left where they are."""
+        Only the new ones are requeued, each in its queue (S, or M for a ghost hit): those
+        not accessed since insertion (a key that was already stored was touched by its put).
+        Keys no longer resident are skipped; never raises."""
         if len(keys) < 2:
             return
         freq = self._freq
