@@ -211,6 +211,8 @@ class KVPool:
                     front.mark_on_lower(key)
             elif front is not None:
                 held[i] = front.put(key, ns, view, on_lower=on_lower[i]) or held[i]
+        if front is not None:
+            front.note_put_batch([key for key, _, _, _ in items])
         if self._latency is not None:
             now = perf_counter()
             if front is not None:

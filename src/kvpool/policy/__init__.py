@@ -3,10 +3,13 @@
 from kvpool.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondUseAdmission
 from kvpool.policy.base import EvictionPolicy
 from kvpool.policy.lru import LRUPolicy
+from kvpool.policy.prefix import PrefixS3FIFOPolicy
 from kvpool.policy.s3fifo import S3FIFOPolicy
 from kvpool.policy.segments import FifoSegments, SecondChanceSegments, SegmentPolicy
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "prefix": PrefixS3FIFOPolicy,
+}
 SEGMENT_POLICIES: dict[str, type[SegmentPolicy]] = {
     "fifo": FifoSegments,
     "second_chance": SecondChanceSegments,
@@ -42,6 +45,7 @@ def make_segment_policy(name: str) -> SegmentPolicy:
 
 __all__ = [
     "AdmissionPolicy", "AlwaysAdmit", "EvictionPolicy", "FifoSegments", "LRUPolicy",
-    "S3FIFOPolicy", "SecondChanceSegments", "SecondUseAdmission", "SegmentPolicy",
+    "PrefixS3FIFOPolicy", "S3FIFOPolicy", "SecondChanceSegments", "SecondUseAdmission",
+    "SegmentPolicy",
     "make_admission_policy", "make_eviction_policy", "make_segment_policy",
 ]

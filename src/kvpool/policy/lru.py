@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvpool.policy.base import Key
+from kvpool.policy.base import EvictionPolicy, Key
 
 
-class LRUPolicy:
+class LRUPolicy(EvictionPolicy):
     """Evicts the least recently inserted-or-touched key; pinned keys are skipped in place."""
 
     def __init__(self) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvpool.policy.base import Key
+from kvpool.policy.base import EvictionPolicy, Key
 
 SMALL_FRACTION = 0.1
 MAX_FREQ = 3
 
 
-class S3FIFOPolicy:
+class S3FIFOPolicy(EvictionPolicy):
     def __init__(self, small_fraction: float = SMALL_FRACTION, ghost_min: int = 64) -> None:
         self._small: OrderedDict[Key, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[Key, None] = OrderedDict()

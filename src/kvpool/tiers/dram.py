@@ -35,7 +35,10 @@ class DramTier:
                  put_wait_s: float = 1.0, prefault: str = "none") -> None:
         self._arena = SlotArena(capacity, slab_size, shm_path, prefault)
         self._eviction = eviction
-        make_eviction_policy(eviction)  # validate the name now, not at the first eviction
+        # Validate the name now, not at the first eviction; only a policy that uses batch
+        # hints gets them (lru and s3fifo: no extra lock round per put_many).
+        self._batch_hints = type(make_eviction_policy(eviction)).put_batch \
+            is not EvictionPolicy.put_batch
         self._policies: dict[int, EvictionPolicy] = {}
         self._entries: dict[bytes, _Entry] = {}
         self._doomed: dict[int, _Entry] = {}  # deleted while pinned, by slot offset
@@ -83,7 +86,30 @@ class DramTier:
         return reservation.commit()
 
     def put_many(self, items: Sequence[Item]) -> list[bool]:
-        return [self.put(key, ns, view) for key, ns, view in items]
+        """``put`` per item; the keys are then passed to the eviction policy as one batch in
+        prefix order (see ``note_put_batch``)."""
+        stored = [self.put(key, ns, view) for key, ns, view in items]
+        self.note_put_batch([key for key, _, _ in items])
+        return stored
+
+    def note_put_batch(self, keys: Sequence[bytes]) -> None:
+        """Tell the eviction policy that ``keys`` were just put by one batched call, in prefix
+        order (each the parent of the next): the pool calls this after storing a put_many or
+        commit_many. Keys no longer resident are skipped; a prefix-aware policy (``prefix``)
+        orders the batch so its tail is evicted first, the others ignore it. Never raises
+        for unknown keys; a closed tier ignores the call."""
+        if len(keys) < 2 or not self._batch_hints:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            by_class: dict[int, list[bytes]] = {}
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    by_class.setdefault(entry.slot_size, []).append(key)
+            for slot_size, batch in by_class.items():
+                self._policy(slot_size).put_batch(batch)
 
     def reserve(self, key: bytes, ns: Namespace, nbytes: int, on_lower: bool = False,
                 wait: bool = True) -> SlotReservation | bool | None:
