@@ -13,6 +13,8 @@ calls mirror DramTier one for one:
   ever pinned here, so every key is evictable), which goes to the demotion sink with its hit
   count and ``on_lower`` (DramTier ``_alloc_locked`` / ``_hand_over``); then
   ``policy.insert(key)`` (DramTier ``_commit``).
+- the end of a batched put (``put_many`` / ``commit_many``; DramTier ``note_put_batch``): the
+  batch's keys still resident, in prefix order, to ``policy.put_batch`` (batches of 2 or more).
 
 Capacity is counted in chunks (the planner gives ``dram bytes // slot size``); DramTier's
 rounding of the arena down to whole slabs is left out.
@@ -83,3 +85,8 @@ class DramModel:
         self._on_lower[key] = on_lower
         self.writes += 1
         self.policy.insert(key)
+
+    def note_put_batch(self, keys: list[int]) -> None:
+        """The batch just put, in prefix order (DramTier ``note_put_batch``)."""
+        if len(keys) >= 2:
+            self.policy.put_batch([k for k in keys if k in self._hits])

@@ -87,7 +87,8 @@ def replay_request(dram: DramModel, ssd: SsdModel | None, keys: list[int],
     4. ``KVPool.put_many(keys[n:])``: with ``pool.ssd_write: through`` every chunk is written
        to the SSD first (the engine appends a new record even for a chunk it holds), then put
        into DRAM with ``on_lower=True``; with ``evict`` it is put into DRAM only, and DRAM
-       victims not held below go to the SSD as the admission policy says.
+       victims not held below go to the SSD as the admission policy says; then the batch
+       goes to ``policy.put_batch`` (a prefix-aware policy orders it tail-first).
     """
     n = 0
     for k in keys:
@@ -116,6 +117,7 @@ def replay_request(dram: DramModel, ssd: SsdModel | None, keys: list[int],
     else:
         for k in rest:
             dram.put(k, False)
+    dram.note_put_batch(rest)
     return n, below
 
 
