@@ -72,8 +72,21 @@ def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
     out["exists_gap"] = backend.batch_exists([*keys[:2], missing, *keys[2:]])
     out["exists_first_missing"] = backend.batch_exists([missing, *keys])
     out["stats"] = backend.stats()["backend"]
+    out["metrics"] = engine_metrics(backend)
     backend.close()
     return out
+
+
+def engine_metrics(backend: Any) -> dict[str, float]:
+    """The pool's engine metrics (label engine="sglang") as its registry exports them."""
+    from prometheus_client import generate_latest
+
+    found = {}
+    for line in generate_latest(backend.pool.metrics).decode().splitlines():
+        if line.startswith("kvpool_engine_") and 'engine="sglang"' in line:
+            name, value = line.rsplit(" ", 1)
+            found[name] = float(value)
+    return found
 
 
 def two_instances(args: dict[str, Any]) -> dict[str, Any]:

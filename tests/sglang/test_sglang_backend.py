@@ -32,6 +32,13 @@ def test_pages_round_trip_byte_for_byte_through_the_dynamic_factory(
     assert r["exists_gap"] == 2
     assert r["exists_first_missing"] == 0
     assert r["stats"]["errors"] == 0
+    # the pool's engine metrics, in tokens (16-token pages): 12 pages stored, 18 read,
+    # lookups of 21 pages of which 8 hit
+    m = r["metrics"]
+    assert m['kvpool_engine_stored_tokens_total{engine="sglang"}'] == 12 * 16
+    assert m['kvpool_engine_prefill_tokens_saved_total{engine="sglang"}'] == 18 * 16
+    assert m['kvpool_engine_lookup_tokens_total{engine="sglang",result="hit"}'] == 8 * 16
+    assert m['kvpool_engine_lookup_tokens_total{engine="sglang",result="miss"}'] == 13 * 16
 
 
 @pytest.mark.parametrize("layout", ("layer_first", "page_first"))
