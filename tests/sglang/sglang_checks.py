@@ -73,7 +73,13 @@ def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
     out["exists_first_missing"] = backend.batch_exists([missing, *keys])
     out["stats"] = backend.stats()["backend"]
     out["metrics"] = engine_metrics(backend)
+    io = backend.get_stats()  # SGLang's StorageMetrics since the last call
+    out["io"] = {"type": type(io).__name__, "prefetch_pgs": io.prefetch_pgs,
+                 "backup_pgs": io.backup_pgs, "again": backend.get_stats().prefetch_pgs}
+    out["cleared"] = backend.clear()
+    out["exists_after_clear"] = backend.batch_exists(keys)
     backend.close()
+    out["exists_after_close"] = backend.batch_exists(keys)
     return out
 
 

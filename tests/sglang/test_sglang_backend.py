@@ -39,6 +39,13 @@ def test_pages_round_trip_byte_for_byte_through_the_dynamic_factory(
     assert m['kvpool_engine_prefill_tokens_saved_total{engine="sglang"}'] == 18 * 16
     assert m['kvpool_engine_lookup_tokens_total{engine="sglang",result="hit"}'] == 8 * 16
     assert m['kvpool_engine_lookup_tokens_total{engine="sglang",result="miss"}'] == 13 * 16
+    # SGLang's storage metrics: pages per v1 call since the last get_stats
+    assert r["io"] == {"type": "StorageMetrics", "prefetch_pgs": [6, 6, 0], "backup_pgs": [6],
+                       "again": []}
+    # clear drops the namespace's pages; after close every call misses
+    assert r["cleared"] is True
+    assert r["exists_after_clear"] == 0
+    assert r["exists_after_close"] == 0
 
 
 @pytest.mark.parametrize("layout", ("layer_first", "page_first"))

@@ -37,8 +37,9 @@ from kvpool.bench.stats import BenchFailure, run_in_work_dir
 ROOT = Path(__file__).resolve().parents[3]
 PAGE_SIZES = (64, 256)
 #: Pages per pass and per call: about 47 MB per call, at most 128 pages (SGLang's limit).
-FULL = {"pages": {"64": 256, "256": 64}, "batch": {"64": 32, "256": 8}, "repeats": 5}
-QUICK = {"pages": {"64": 64, "256": 16}, "batch": {"64": 32, "256": 8}, "repeats": 3}
+BATCH = {"64": 32, "256": 8}
+FULL: dict[str, Any] = {"pages": {"64": 128, "256": 32}, "batch": BATCH, "repeats": 5}
+QUICK: dict[str, Any] = {"pages": {"64": 64, "256": 16}, "batch": BATCH, "repeats": 3}
 TARGETS = {"get_v1_vs_file_backend": ">= 3"}
 SYSTEMS = ("kvpool", "kvpool_node", "file")
 
@@ -49,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="passes per case")
     parser.add_argument("--no-node", action="store_true", help="skip the kvpool serve node")
     parser.add_argument("--work-dir", help="scratch directory (default: a temp dir)")
+
+
+def page_bytes(page_tokens: int) -> int:
+    """Bytes of one page of the benchmarked layout (K and V of 30 layers, 3 heads of 64, bf16)."""
+    return page_tokens * 30 * 2 * 3 * 64 * 2
 
 
 def sglang_python() -> str:
@@ -75,7 +81,9 @@ def run_sglang_bench(quick: bool, repeats: int | None, node: bool,
     if repeats:
         plan["repeats"] = repeats
     spec: dict[str, Any] = {**plan, "work": str(work / "runs"), "page_sizes": list(PAGE_SIZES)}
-    server = _start_node(work, 3 << 30) if node else None
+    # Every pass writes fresh pages: the node's DRAM holds them all (it has no SSD here).
+    stored = plan["repeats"] * sum(plan["pages"][str(p)] * page_bytes(p) for p in PAGE_SIZES)
+    server = _start_node(work, stored * 5 // 4 + (256 << 20)) if node else None
     try:
         if server is not None:
             spec["node"] = f"127.0.0.1:{server.port}"
