@@ -95,6 +95,54 @@ def engine_metrics(backend: Any) -> dict[str, float]:
     return found
 
 
+def threads(args: dict[str, Any]) -> dict[str, Any]:
+    """Three threads (as the controller's backup, prefetch and prefetch-IO threads) store,
+    look up and read pages at once, half of the keys shared between the threads; the DRAM
+    tier is small, so slots are evicted (to the SSD) while other threads pin and fill them."""
+    dev = h.device_pool(4096, PAGE, LAYERS, HEADS, DIM)
+    host = h.host_pool(dev, "layer_first", ratio=4.0)
+    backend = h.create_backend("dynamic", host, {**h.DYNAMIC, "config": pool_config(
+        args["cache_dir"], dram={"capacity": "1MiB", "slab_size": "256KiB"})})
+    n, rounds = 8, int(args.get("rounds", 30))
+    src = host.alloc(3 * n * PAGE)
+    h.fill_random(host, src, 5)
+    want = h.page_bytes(host, src)
+    dsts = [host.alloc(n * PAGE) for _ in range(3)]
+    bad: list[str] = []
+
+    def work(t: int) -> None:
+        try:
+            for r in range(rounds):
+                # pages 0..n/2 of every thread's set are the same keys and bytes (shared)
+                lo = t * n
+                keys = [f"{(0 if i < n // 2 else t + 1):032x}{r:016x}{i:016x}"
+                        for i in range(n)]
+                idx = src[lo * PAGE:(lo + n) * PAGE] if t == 0 else torch.cat(
+                    [src[:n // 2 * PAGE], src[(lo + n // 2) * PAGE:(lo + n) * PAGE]])
+                if not all(backend.batch_set_v1(keys, idx)):
+                    bad.append(f"t{t} r{r}: set failed")
+                hits = backend.batch_exists(keys)
+                got = backend.batch_get_v1(keys[:hits], dsts[t][:hits * PAGE])
+                read = h.page_bytes(host, dsts[t][:hits * PAGE])
+                expect = [want[i] if i < n // 2 else want[lo + i] for i in range(n)]
+                for i, ok in enumerate(got):
+                    if ok and read[i] != expect[i]:
+                        bad.append(f"t{t} r{r} page {i}: wrong bytes")
+        except Exception as err:
+            bad.append(f"t{t}: {err!r}")
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    stats = backend.stats()
+    backend.close()
+    return {"bad": bad, "errors": stats["backend"]["errors"],
+            "get_hit_pages": stats["backend"]["get_hit_pages"],
+            "dram_evictions": stats["pool"]["dram"]["evictions"]}
+
+
 def two_instances(args: dict[str, Any]) -> dict[str, Any]:
     """Two host pools, each with its own embedded pool, sharing one storage node."""
     cluster = {"nodes": [args["node"]]}
@@ -196,7 +244,8 @@ def _backend_stats(ctl: Any) -> Any:
     return backend.stats()["backend"]["errors"]
 
 
-SCENARIOS = {"roundtrip": roundtrip, "two_instances": two_instances, "controller": controller}
+SCENARIOS = {"roundtrip": roundtrip, "two_instances": two_instances, "controller": controller,
+             "threads": threads}
 
 if __name__ == "__main__":
     result = SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

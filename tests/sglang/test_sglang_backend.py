@@ -75,6 +75,14 @@ def test_fault_injection_failed_pages_miss_and_survivors_are_correct(
     assert 0 < sum(r["hits"]) < 20 * 4
 
 
+def test_three_threads_at_once_read_exactly_what_was_written(run_check: RunCheck) -> None:
+    r = run_check("threads", rounds=30)
+    assert r["bad"] == []
+    assert r["errors"] == 0
+    assert r["get_hit_pages"] == 3 * 30 * 8  # each thread reads back its 8 pages every round
+    assert r["dram_evictions"] > 0  # the small DRAM evicted while the threads ran
+
+
 def test_two_host_pools_share_pages_through_one_node(run_check: RunCheck,
                                                      node: NodeProcess) -> None:
     r = run_check("two_instances", node=node.address)
