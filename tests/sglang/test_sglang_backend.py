@@ -3,9 +3,14 @@ controller, fault injector), each scenario in the SGLang venv (``sglang_checks.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
-from conftest import RunCheck
 from node_process import NodeProcess
+
+#: The ``run_check`` fixture of tests/sglang/conftest.py.
+RunCheck = Callable[..., dict[str, Any]]
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
