@@ -26,6 +26,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
 	bash scripts/vllm-env.sh
+	bash scripts/sglang-env.sh
 	$(PY) -m pytest -q tests
 
 # The fast loop: no etcd, Redis, vLLM venv or SmolLM2 (those tests are marked `external` in

@@ -1,7 +1,7 @@
 """Shared fixtures (helpers live in kvtest.py), and the marks that split the suite.
 
 A test that needs something outside ``.venv`` carries one mark per need (``etcd``, ``redis``,
-``vllm``, ``model``, ``prometheus``) and, added here, ``external``; ``make unit`` runs
+``vllm``, ``sglang``, ``model``, ``prometheus``) and, added here, ``external``; ``make unit`` runs
 ``-m "not external"``.
 The needs are marked here from the fixtures a test uses (its whole fixture closure), so a new
 test on those fixtures is classified without a mark of its own; a test that reaches a service
@@ -22,14 +22,15 @@ from node_process import NodeProcess
 from kvpool.keys import Namespace
 
 # Fixture -> the mark of what it needs (tests/cluster/conftest.py, tests/vllm/conftest.py,
-# tests/test_models.py).
+# tests/sglang/conftest.py, tests/test_models.py).
 NEEDS_BY_FIXTURE = {
     "etcd_session_server": "etcd",  # behind etcd_endpoint
     "etcd_server": "etcd",
     "vllm_python": "vllm",  # behind start_engine, run_engine, baseline
+    "sglang_python": "sglang",  # behind run_check (tests/sglang/conftest.py)
     "smollm2_cache": "model",  # converts the real SmolLM2 GGUF
 }
-EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "model", "prometheus")
+EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these marks

@@ -56,6 +56,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import vllm as vllm_bench
     vllm_bench.add_arguments(vllm_p)
     vllm_p.set_defaults(func=vllm_bench.run_from_args)
+    sglang_p = bench_sub.add_parser("sglang", help="SGLang HiCache L3: kvpool's v1 page calls "
+                                    "vs SGLang's bundled file backend on SGLang's host pool")
+    from kvpool.bench import sglang as sglang_bench
+    sglang_bench.add_arguments(sglang_p)
+    sglang_p.set_defaults(func=sglang_bench.run_from_args)
     serve_p = bench_sub.add_parser("serve", help="vLLM's OpenAI server under vllm bench serve: "
                                    "kvpool hits after a restart vs the engine's prefix cache")
     from kvpool.bench import serve as serve_bench

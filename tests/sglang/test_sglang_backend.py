@@ -1,0 +1,99 @@
+"""KVPoolHiCacheStorage against SGLang's real classes (host pool, backend factory, cache
+controller, fault injector), each scenario in the SGLang venv (``sglang_checks.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from node_process import NodeProcess
+
+#: The ``run_check`` fixture of tests/sglang/conftest.py.
+RunCheck = Callable[..., dict[str, Any]]
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pages_round_trip_byte_for_byte_through_the_dynamic_factory(
+        run_check: RunCheck, layout: str) -> None:
+    r = run_check("roundtrip", layout=layout)
+    assert r["class"] == "KVPoolHiCacheStorage"  # created by SGLang's "dynamic" factory
+    assert r["set_v1"] == [True] * 6
+    assert r["get_v1"] == [True] * 6
+    assert r["v1_bytes_equal"] is True
+    # the legacy calls store the same bytes: each path reads what the other wrote
+    assert r["legacy_get_equal"] == [True] * 6
+    assert r["legacy_set"] is True
+    assert r["get_v1_of_legacy"] == [True] * 6
+    assert r["v1_of_legacy_equal"] is True
+    # a missing key is a miss, never an exception
+    assert r["exists_missing"] is False
+    assert r["get_missing"] is True
+    assert r["get_v1_missing"] == [False]
+    # batch_exists: the leading run, cut at the first gap
+    assert r["exists_full"] == 6
+    assert r["exists_gap"] == 2
+    assert r["exists_first_missing"] == 0
+    assert r["stats"]["errors"] == 0
+    # the pool's engine metrics, in tokens (16-token pages): 12 pages stored, 18 read,
+    # lookups of 21 pages of which 8 hit
+    m = r["metrics"]
+    assert m['kvpool_engine_stored_tokens_total{engine="sglang"}'] == 12 * 16
+    assert m['kvpool_engine_prefill_tokens_saved_total{engine="sglang"}'] == 18 * 16
+    assert m['kvpool_engine_lookup_tokens_total{engine="sglang",result="hit"}'] == 8 * 16
+    assert m['kvpool_engine_lookup_tokens_total{engine="sglang",result="miss"}'] == 13 * 16
+    # SGLang's storage metrics: pages per v1 call since the last get_stats
+    assert r["io"] == {"type": "StorageMetrics", "prefetch_pgs": [6, 6, 0], "backup_pgs": [6],
+                       "again": []}
+    # clear drops the namespace's pages; after close every call misses
+    assert r["cleared"] is True
+    assert r["exists_after_clear"] == 0
+    assert r["exists_after_close"] == 0
+
+
+@pytest.mark.parametrize("layout", ("layer_first", "page_first"))
+def test_controller_write_back_then_prefetch_gives_identical_bytes(
+        run_check: RunCheck, layout: str) -> None:
+    r = run_check("controller", layout=layout, rounds=2, pages=20)
+    assert r["backend"] == "KVPoolHiCacheStorage"
+    assert r["escaped"] == []
+    assert r["hits"] == [20, 20]  # every page written back was prefetched
+    assert r["correct_pages"] == 40
+    assert r["wrong_pages"] == 0
+    assert r["backend_errors"] == 0
+
+
+def test_fault_injection_failed_pages_miss_and_survivors_are_correct(
+        run_check: RunCheck) -> None:
+    r = run_check("controller", env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3"},
+                  layout="page_first", rounds=20, pages=4)
+    assert r["backend"] == "HiCacheStorageFailureInjector"  # SGLang wrapped the backend
+    assert r["escaped"] == []
+    assert r["backend_errors"] == 0  # the injector's failures never reached the pool as faults
+    assert r["wrong_pages"] == 0  # every page that was read is the page written
+    assert r["correct_pages"] == sum(r["hits"])
+    # at p=0.3 on each of the 4 calls of a round (exists, set, exists, get) about a third
+    # of the rounds survive; all 20 failing or all surviving is far under 1 in 1000;
+    # an injected failure on a write or a read ends that round's prefix
+    assert 0 < sum(r["hits"]) < 20 * 4
+
+
+def test_three_threads_at_once_read_exactly_what_was_written(run_check: RunCheck) -> None:
+    r = run_check("threads", rounds=30)
+    assert r["bad"] == []
+    assert r["errors"] == 0
+    assert r["get_hit_pages"] == 3 * 30 * 8  # each thread reads back its 8 pages every round
+    assert r["dram_evictions"] > 0  # the small DRAM evicted while the threads ran
+
+
+def test_two_host_pools_share_pages_through_one_node(run_check: RunCheck,
+                                                     node: NodeProcess) -> None:
+    r = run_check("two_instances", node=node.address)
+    assert r["set_a"] == [True] * 5
+    assert r["flushed"] is True
+    assert r["exists_b"] == 5
+    assert r["get_b"] == [True] * 5
+    assert r["equal"] is True
+    assert r["b_pool"]["remote_hits"] == 5  # instance b read them from the node
