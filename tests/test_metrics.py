@@ -84,6 +84,10 @@ def test_counters_move_by_exactly_the_workload(tmp_path: Path) -> None:
         s3 = scrape(pool.metrics)
         assert delta(s2, s3, "kvpool_evictions_total", tier="dram") == 24
         assert delta(s2, s3, "kvpool_hit_chunks_total", tier="dram") == 16
+        assert delta(s2, s3, "kvpool_read_bytes_total", tier="dram") == 16 * CHUNK
+        # a pin is a get (engines read DRAM so), DRAM's part the pinning
+        assert delta(s2, s3, "kvpool_op_seconds_count", op="get") == 1
+        assert delta(s2, s3, "kvpool_tier_op_seconds_count", tier="dram", op="get") == 1
         assert delta(s2, s3, "kvpool_demotions_total") == 0  # written through: no demotion
         assert value(s3, "kvpool_chunks", tier="ssd") == 40
 

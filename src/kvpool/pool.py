@@ -318,11 +318,16 @@ class KVPool:
         ``fetch=True``: the chunks only slower tiers hold are first read, in this thread,
         straight into free DRAM slots and pinned there, so the load's own read is also the
         promotion (no scratch buffer, no second read in the background). A chunk that finds
-        no free slot, or whose read fails, stays None."""
+        no free slot, or whose read fails, stays None.
+
+        A call is a ``get`` in the latency metrics (engines read DRAM this way), DRAM's part
+        being the pinning."""
         self._registered(ns, keys)
         if self._front is None:
             return [None] * len(keys)
+        started = perf_counter()
         views = [self._front.view(key, ns.id, count_miss=False) for key in keys]
+        pinned_s = perf_counter() - started
         pinned = sum(v is not None for v in views)
         self._counters.add_many({"dram_hits": pinned, "dram_hit_bytes": pinned * ns.chunk_bytes,
                                  "dram_hit_tokens": pinned * ns.layout.chunk_tokens})
@@ -332,6 +337,8 @@ class KVPool:
                 self._mover.move_now(ns, [keys[i] for i in missing])
                 for i in missing:
                     views[i] = self._front.view(keys[i], ns.id, count_miss=False)
+        if self._latency is not None:
+            self._latency.record("get", perf_counter() - started, (pinned_s,))
         return views
 
     def _held_locally(self, ns_id: bytes, keys: Sequence[bytes],
