@@ -154,6 +154,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     ratios = report.headline_ratios(results)
     report.render(summary, ratios, console)
     identical = all(s["outputs_identical"] for s in summary.values())
+    for mode, s in summary.items():
+        if s["dropped_saves"]:
+            console.print(f"[yellow]{mode}: {s['dropped_saves']} chunk saves dropped[/] (the "
+                          "store's write-behind queue or DRAM was full): later requests "
+                          "recompute them")
     png = report.chart(results, out_dir / "ttft.png")
     data = {
         "model": model_id, "chunk_tokens": chunk_tokens, "quick": bool(args.quick),

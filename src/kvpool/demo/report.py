@@ -43,6 +43,7 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
             "e2e_tokens_per_s": sum(len(r.tokens) for r in rs) / sum(r.total_s for r in rs),
             "hit_rate": sum(r.cached_tokens for r in rs) / max(1, sum(r.prompt_tokens for r in rs)),
             "chunk_hits_by_tier": dict(tiers),
+            "dropped_saves": sum(r.dropped_saves for r in rs),
             "median_speedup_on_hits": float(np.median(speedups)) if speedups else None,
             "outputs_identical": len(rs) == len(base) and all(
                 r.tokens == b.tokens for r, b in zip(rs, base, strict=True)),

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvpool.demo.stores import close_store, make_cold, make_store, tier_hits
+from kvpool.demo.stores import close_store, dropped_saves, make_cold, make_store, tier_hits
 from kvpool.demo.workloads import Request
 from kvpool.integrations.hf import PrefixCache, namespace_for
 
@@ -46,6 +46,8 @@ class RequestResult:
     hits: dict[str, int] = field(default_factory=dict)
     load_s: float = 0.0
     forward_s: float = 0.0  # the prefill's model forward, inside ttft_s
+    #: Chunks of this request the store or the integration dropped instead of saving.
+    dropped_saves: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,12 +79,14 @@ class ModeRun:
                  settings: Settings, model_id: str) -> None:
         self.mode, self.streams, self.settings = mode, streams, settings
         ns = namespace_for(model, settings.chunk_tokens, model_id=model_id)
+        longest = max(len(r.prompt) for s in streams for r in s.peek())
         self.store = make_store(mode, workdir, ns.chunk_bytes, settings.dram_bytes,
-                                settings.ssd_bytes, settings.metrics_port)
+                                settings.ssd_bytes, settings.metrics_port,
+                                request_bytes=-(-longest // settings.chunk_tokens) * ns.chunk_bytes)
         try:
             self.cache = PrefixCache(model, self.store, settings.chunk_tokens, model_id=model_id)
             if self.store is not None:  # engines preallocate KV memory at start-up; so does
-                self.cache.reserve(max(len(r.prompt) for s in streams for r in s.peek()))
+                self.cache.reserve(longest)
         except BaseException:
             close_store(self.store)
             raise
@@ -94,10 +98,12 @@ class ModeRun:
             for request in stream:
                 make_cold(store)
                 before = tier_hits(store)
+                dropped_before = dropped_saves(store) + cache.dropped_saves
                 gen = cache.generate(request.prompt, request.max_new_tokens,
                                      self.settings.eos_token_id)
                 after = tier_hits(store)
                 cache.flush()
+                dropped = dropped_saves(store) + cache.dropped_saves - dropped_before
                 stream.reply(request, gen.tokens)
                 yield RequestResult(
                     mode=self.mode, workload=request.workload, name=request.name,
@@ -105,7 +111,8 @@ class ModeRun:
                     ttft_s=gen.ttft_s, total_s=gen.total_s, tokens=gen.tokens,
                     hits={k: after[k] - before.get(k, 0) for k in after},
                     load_s=gen.prefill.timings.get("load_s", 0.0),
-                    forward_s=gen.prefill.timings.get("forward_s", 0.0))
+                    forward_s=gen.prefill.timings.get("forward_s", 0.0),
+                    dropped_saves=dropped)
 
     def close(self) -> None:
         try:

@@ -17,9 +17,13 @@ METRICS_PORT_OFFSET = {"kvpool": 0, "kvpool-ssd": 1}
 
 
 def make_store(mode: str, workdir: Path, chunk_bytes: int, dram_bytes: int,
-               ssd_bytes: int, metrics_port: int | None = None) -> ChunkStore | None:
-    """None for recompute. Raises ValueError for an unknown mode, OSError when the metrics
-    port cannot be bound."""
+               ssd_bytes: int, metrics_port: int | None = None,
+               request_bytes: int = 0) -> ChunkStore | None:
+    """None for recompute. ``request_bytes``: the KV of the largest request; without a DRAM
+    tier (kvpool-ssd) every save waits in the SSD's write-behind queue, so the queue gets
+    room for two such requests (the default 256 MiB holds less than one 6K-token SmolLM2
+    document, whose saves were dropped). Raises ValueError for an unknown mode, OSError when
+    the metrics port cannot be bound."""
     slab = max(64 << 20, round_up(chunk_bytes))
     segment = max(256 << 20, 2 * round_up(chunk_bytes + 4096))
     base: dict[str, Any] = {
@@ -35,6 +39,7 @@ def make_store(mode: str, workdir: Path, chunk_bytes: int, dram_bytes: int,
         return KVPool(config_from_dict(base))
     if mode == "kvpool-ssd":
         base["dram"]["capacity"] = 0
+        base["pool"] = {"write_behind_bytes": max(256 << 20, 2 * request_bytes)}
         return KVPool(config_from_dict(base))
     if mode == "file-per-chunk":
         return FilePerChunkPool(workdir / mode)
@@ -57,6 +62,17 @@ def tier_hits(store: ChunkStore | None) -> dict[str, int]:
     if isinstance(store, FilePerChunkPool):
         return {"files": store.stats()["file_per_chunk"]["hits"]}
     return {}
+
+
+def dropped_saves(store: ChunkStore | None) -> int:
+    """Saves the store dropped so far (a full write-behind queue, a failed write, no DRAM
+    slot): each is a chunk a later request recomputes."""
+    if not isinstance(store, KVPool):
+        return 0
+    stats = store.stats()
+    staged = stats.get("write_behind", {})
+    return int(stats.get("dram", {}).get("dropped_puts", 0) + staged.get("dropped", 0)
+               + staged.get("write_errors", 0))
 
 
 def close_store(store: ChunkStore | None) -> None:
