@@ -49,7 +49,8 @@ class OpLatency:
     def record(self, op: str, seconds: float, timings: Sequence[float]) -> None:
         """One call of ``op`` took ``seconds``; ``timings[i]`` is how long tier i took (a
         call asks tiers in order from the first, so the list covers the tiers it asked)."""
-        total, tiers = self._my_shard()[op]
+        shard: _Shard | None = getattr(self._local, "shard", None)  # inline: every call
+        total, tiers = (shard if shard is not None else self._my_shard())[op]
         total.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         total.total += seconds
         i = 0
