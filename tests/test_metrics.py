@@ -230,3 +230,20 @@ def test_latency_shards_of_many_threads_add_up_exactly() -> None:
         assert sum(tiers[("dram", "get")][0]) == 8000
         assert sum(tiers[("ssd", "get")][0]) == 8000
         assert ("dram", "put") not in tiers
+
+
+def test_latency_recording_switches_at_runtime(tmp_path: Path) -> None:
+    ns = byte_namespace()
+    key = ns.chunk_keys([1])[0]
+    with KVPool(small_config(tmp_path)) as pool:
+        pool.register_namespace(ns)
+        pool.put(ns, key, payload_for(key))
+        pool.record_latency(False)
+        assert _read(pool, ns, [key]) == [True]
+        s = scrape(pool.metrics)  # what was recorded stays exported; the get was not timed
+        assert value(s, "kvpool_op_seconds_count", op="put") == 1
+        assert value(s, "kvpool_op_seconds_count", op="get") == 0
+        assert value(s, "kvpool_hit_chunks_total", tier="dram") == 1  # counters unaffected
+        pool.record_latency(True)
+        assert _read(pool, ns, [key]) == [True]
+        assert value(scrape(pool.metrics), "kvpool_op_seconds_count", op="get") == 1

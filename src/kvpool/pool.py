@@ -102,10 +102,13 @@ class KVPool:
         self._tiers = self._stack.tiers
         self._front = self._stack.front
         self._tier_index = {id(tier): i for i, tier in enumerate(self._tiers)}
-        self._latency = OpLatency([t.label for t in self._tiers]) \
-            if self.config.metrics.enabled else None
+        # recorded into while on (None: off); exported once it has been on
+        self._latency_recorder = OpLatency([t.label for t in self._tiers])
+        self._latency: OpLatency | None = None
+        self._latency_exported: OpLatency | None = None
+        self.record_latency(self.config.metrics.enabled)
         self.metrics = CollectorRegistry(auto_describe=False)
-        self.metrics.register(PoolCollector(self.stats, self._latency))
+        self.metrics.register(PoolCollector(self.stats, lambda: self._latency_exported))
         self._metrics_server: MetricsServer | None = None
         self._mover: Mover | None = None
         if self._front is not None and len(self._tiers) > 1:
@@ -123,6 +126,14 @@ class KVPool:
             except BaseException:
                 self.close()
                 raise
+
+    def record_latency(self, enabled: bool) -> None:
+        """Turn the latency histograms on or off from now on (``metrics.enabled`` sets them at
+        open); what they recorded so far stays exported, counters are unaffected. Never
+        raises."""
+        self._latency = self._latency_recorder if enabled else None
+        if enabled:
+            self._latency_exported = self._latency_recorder
 
     @property
     def metrics_url(self) -> str | None:

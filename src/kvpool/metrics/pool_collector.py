@@ -30,10 +30,11 @@ def _get(stats: Stats, *path: str) -> Any:
 
 
 class PoolCollector(Collector):
-    """Collects from ``stats`` (KVPool.stats) and ``latency`` (None: no histograms). A pool
+    """Collects from ``stats`` (KVPool.stats) and ``latency()`` (None: no histograms). A pool
     that is closed yields nothing."""
 
-    def __init__(self, stats: Callable[[], Stats], latency: OpLatency | None) -> None:
+    def __init__(self, stats: Callable[[], Stats],
+                 latency: Callable[[], OpLatency | None]) -> None:
         self._stats = stats
         self._latency = latency
 
@@ -46,8 +47,9 @@ class PoolCollector(Collector):
         pool_counters(out, stats)
         tier_counters(out, stats)
         remote_metrics(out, stats)
-        if self._latency is not None:
-            ops, tiers = self._latency.snapshot()
+        latency = self._latency()
+        if latency is not None:
+            ops, tiers = latency.snapshot()
             out.add_histogram("kvpool_op_seconds", ops)
             out.add_histogram("kvpool_tier_op_seconds", tiers)
         return iter(out)
