@@ -3,7 +3,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvpool
+from kvpool.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +42,29 @@ def test_config_prints_the_capacity_warm_cache_ratio_resolves_to() -> None:
     res = run("config", env={"KVPOOL_DRAM__WARM_CACHE_RATIO": "0.25",
                              "KVPOOL_DRAM__CAPACITY": "1GiB"})
     assert res.returncode == 2 and "set one, not both" in res.stderr
+
+
+def test_every_command_prints_its_help() -> None:
+    """argparse formats help texts with %: a stray one crashes --help (it did for plan)."""
+    import argparse
+    import contextlib
+    import io
+
+    from kvpool.cli import _build_parser
+
+    def commands(parser: argparse.ArgumentParser, path: list[str]) -> list[list[str]]:
+        found = [path]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += commands(sub, [*path, name])
+        return found
+
+    every = commands(_build_parser(), [])
+    assert ["plan"] in every and ["admin", "drain"] in every and ["bench", "sglang"] in every
+    for path in every:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+            main([*path, "--help"])
+        assert stop.value.code == 0, path
+        assert "usage:" in out.getvalue(), path

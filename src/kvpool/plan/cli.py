@@ -29,6 +29,11 @@ _COST_FLAGS = {  # CostModel field -> help
 }
 
 
+def _escaped(sizes: tuple[str, ...]) -> str:
+    """Sizes for an argparse help text, whose '%' must be doubled."""
+    return " ".join(sizes).replace("%", "%%")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = PlanSettings(0, None, (), (), ())
     parser.add_argument("--trace", metavar="FILE", type=Path, required=True,
@@ -46,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"(default {cost.DEFAULT_MODEL})")
     parser.add_argument("--dram", metavar="SIZE", nargs="+", default=list(DEFAULT_DRAM),
                         help="DRAM sizes: bytes (4GiB) or %% of the trace's distinct chunks "
-                             f"(default {' '.join(DEFAULT_DRAM)})")
+                             f"(default {_escaped(DEFAULT_DRAM)})")
     parser.add_argument("--ssd", metavar="SIZE", nargs="+", default=list(DEFAULT_SSD),
                         help="SSD sizes, as --dram; 0 = no SSD (default "
-                             f"{' '.join(DEFAULT_SSD)})")
+                             f"{_escaped(DEFAULT_SSD)})")
     parser.add_argument("--policy", metavar="NAME", nargs="+", choices=sorted(EVICTION_POLICIES),
                         default=sorted(EVICTION_POLICIES),
                         help=f"DRAM eviction policies (default all: "
