@@ -13,13 +13,10 @@ or ``config``) raises the ConfigError of ``kvpool.config``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -28,37 +25,25 @@ from pydantic import (
     model_validator,
 )
 
-from kvpool.config import Config, describe_errors, load_config
+from kvpool.config import describe_errors
 from kvpool.errors import ConfigError
+from kvpool.integrations.engine_settings import EngineSettings, none_if_empty
 
 #: Where vLLM takes these settings from; errors name their keys under it.
 EXTRA_CONFIG = "kv_connector_extra_config"
 
 
-def _none_if_empty(value: object) -> object:
-    return None if value == "" else value
-
-
-def _a_mapping(value: object) -> object:
-    if value is not None and not isinstance(value, Mapping):
-        raise ValueError("must be a mapping of kvpool settings")
-    return dict(value) if isinstance(value, Mapping) else None
-
-
-class ConnectorSettings(BaseModel):
+class ConnectorSettings(EngineSettings):
     """The vLLM connector's settings (``kv_connector_extra_config``); every key is optional."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    config_path: str | None = Field(None, description="kvpool YAML file (the keys above); else `$KVPOOL_CONFIG`, else defaults. Must exist; `~` is expanded.")
-    config_overrides: Annotated[dict[str, Any] | None, BeforeValidator(_a_mapping)] = Field(None, alias="config", description="kvpool settings merged over the file, e.g. `{\"dram\": {\"capacity\": \"32GiB\"}}`; a mapping, validated as a kvpool config.")
+    RANKS: ClassVar[str] = "tensor-parallel ranks"
     chunk_tokens: int = Field(strict=True, description="Tokens per stored chunk: a positive multiple of vLLM's block size. Default: the block size.")
-    model_id: Annotated[str | None, BeforeValidator(_none_if_empty)] = Field(None, description="Model identity in the namespace. Default: the served model name.")
+    model_id: Annotated[str | None, BeforeValidator(none_if_empty)] = Field(None, description="Model identity in the namespace. Default: the served model name.")
     tenant_salt: str = Field("", description="Isolates tenants: different salts never share KV.")
     lookup_timeout_s: float = Field(2.0, gt=0, strict=True, description="How long a scheduler-side lookup waits for the worker; then it is a miss.")
     prefetch_window_tokens: int | None = Field(None, ge=0, strict=True, description="Read-ahead at lookup time (YRCloudFile's prefetch_window): the first this-many tokens of a prompt's cached prefix that DRAM lacks start moving up from SSD / storage nodes as soon as the scheduler looks the prompt up, so its load finds them in DRAM (a load that comes first waits for that move rather than reading twice). Rounded up to whole chunks; 0 = off. Default: pool.prefetch_window_chunks chunks.")
     offload_threshold: float = Field(0.0, ge=0, le=1, strict=True, description="YRCloudFile's offload_threshold: a request's prompt is saved only if, when its first chunk is complete, the engine's KV blocks in use (vLLM's block pool: 1 - free / total, the scheduler's own KV cache usage; blocks that only vLLM's prefix cache still holds count as free) are at least this share; below it the whole request is skipped (never part of one, which would leave a hole in its prefix), on the grounds that vLLM's own prefix cache keeps it while memory is plentiful. A skipped prompt is not in kvpool when the engine restarts, for other engines on the same storage nodes, or once vLLM evicts it. 0 = always save.")
-    stats_path: Annotated[str | None, BeforeValidator(_none_if_empty)] = Field(None, description="The worker writes its counters here as JSON after each step that moved KV (tests and benchmarks; rank r > 0 writes `<path>.tp<r>`).")
+    stats_path: Annotated[str | None, BeforeValidator(none_if_empty)] = Field(None, description="The worker writes its counters here as JSON after each step that moved KV (tests and benchmarks; rank r > 0 writes `<path>.tp<r>`).")
 
     _block_size: int = PrivateAttr()
 
@@ -77,16 +62,6 @@ class ConnectorSettings(BaseModel):
             raise ValueError(f"must be a positive multiple of the vLLM block size {block}")
         return value
 
-    @field_validator("config_path")
-    @classmethod
-    def _existing_file(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError("no such file")
-        return str(path)
-
     @model_validator(mode="after")
     def _keep_block_size(self, info: ValidationInfo) -> ConnectorSettings:
         self._block_size = _block_size_of(info)
@@ -100,24 +75,6 @@ class ConnectorSettings(BaseModel):
     @property
     def blocks_per_chunk(self) -> int:
         return self.chunk_tokens // self._block_size
-
-    def pool_config(self, tp_rank: int = 0, tp_size: int = 1) -> Config:
-        """The kvpool config of one worker rank. With tensor parallelism every rank gets its own
-        SSD directory and shm file (``.../tp<rank>``): an embedded SSD engine must never be
-        opened by two processes. Raises ConfigError for a bad config."""
-        cfg = load_config(self.config_path, overrides=self.config_overrides)
-        if cfg.metrics.port:  # one endpoint per rank: metrics.port + rank (0: any free port)
-            cfg.metrics.port += tp_rank
-        if tp_size > 1:
-            ssd_dir = cfg.ssd_path()
-            if ssd_dir.exists() and not ssd_dir.is_dir():
-                raise ConfigError("ssd.path: a raw device cannot be shared by tensor-parallel "
-                                  "ranks; give each rank its own config")
-            cfg.ssd.path = str(ssd_dir / f"tp{tp_rank}")
-            if cfg.dram.shm_path:
-                cfg.dram.shm_path = f"{cfg.dram.shm_path}.tp{tp_rank}"
-        return cfg
-
 
 def _block_size_of(info: ValidationInfo) -> int:
     block = (info.context or {}).get("block_size")
