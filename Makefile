@@ -43,4 +43,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvpool bench storage --json out/bench-storage.json
 
 clean:
-	rm -rf $(VENV) .venv-vllm out .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .venv-sglang out .pytest_cache .mypy_cache .ruff_cache .hypothesis
