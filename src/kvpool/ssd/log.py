@@ -252,11 +252,15 @@ class SegmentLog:
         victim = self.fifo.popleft()
         while self.segments[victim].inflight:
             self._cond.wait()
-        slots = self._index.slots_where(segment=victim)
-        picked = self._policy.copy_forward(self._index.column("hot")[slots].astype(bool),
-                                           self._index.column("blocks")[slots].astype(np.int64),
-                                           self._forward_budget_blocks)
         block_col, blocks_col = self._index.column("block"), self._index.column("blocks")
+        slots = self._index.slots_where(segment=victim)
+        # in write order (the index's slots are in hash order): the budget then keeps the
+        # oldest hot records, a prefix's head before its tail, and the forwarded records are
+        # rewritten in the order they were written, so a prefix stays one coalesced read
+        slots = slots[np.argsort(block_col[slots], kind="stable")]
+        picked = self._policy.copy_forward(self._index.column("hot")[slots].astype(bool),
+                                           blocks_col[slots].astype(np.int64),
+                                           self._forward_budget_blocks)
         ns_col = self._index.column("ns_index")
         return victim, [(self._index.key_at(int(slot)), int(ns_col[slot]),
                          int(block_col[slot]) * BLOCK, int(blocks_col[slot]) * BLOCK)
