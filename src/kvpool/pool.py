@@ -101,14 +101,16 @@ class KVPool:
         self._stack = build_tiers(self.config, remote)
         self._tiers = self._stack.tiers
         self._front = self._stack.front
-        self._tier_index = {id(tier): i for i, tier in enumerate(self._tiers)}
+        # the write-through tiers with their places in the read order (latency labels)
+        self._through = [(self._tiers.index(t), t) for t in self._stack.through]
         # recorded into while on (None: off); exported once it has been on
         self._latency_recorder = OpLatency([t.label for t in self._tiers])
         self._latency: OpLatency | None = None
         self._latency_exported: OpLatency | None = None
         self.record_latency(self.config.metrics.enabled)
         self.metrics = CollectorRegistry(auto_describe=False)
-        self.metrics.register(PoolCollector(self.stats, lambda: self._latency_exported))
+        self.metrics.register(PoolCollector(self.stats, lambda: self._latency_exported,
+                                            [(t.name, t.label) for t in self._tiers]))
         self._metrics_server: MetricsServer | None = None
         self._mover: Mover | None = None
         if self._front is not None and len(self._tiers) > 1:
@@ -200,15 +202,17 @@ class KVPool:
         published, otherwise a copy is put, marked as held below so its eviction is no
         demotion). Returns how many count as stored: durable = on the acknowledging tier;
         else held by any tier."""
+        latency = self._latency
         started = perf_counter()
         timings: list[tuple[int, float]] = []
         lower = [(k, ns, v) for k, ns, v, _ in items]
         on_lower = [False] * len(items)
         acked = on_lower
-        for tier in self._stack.through:
+        for index, tier in self._through:
             tier_started = perf_counter()
             flags = tier.put_many(lower)
-            timings.append((self._tier_index[id(tier)], perf_counter() - tier_started))
+            if latency is not None:
+                timings.append((index, perf_counter() - tier_started))
             if tier is self._stack.ack:
                 acked = flags
             on_lower = [a or b for a, b in zip(on_lower, flags, strict=True)]
@@ -224,11 +228,11 @@ class KVPool:
                 held[i] = front.put(key, ns, view, on_lower=on_lower[i]) or held[i]
         if front is not None:
             front.note_put_batch([key for key, _, _, _ in items])
-        if self._latency is not None:
+        if latency is not None:
             now = perf_counter()
             if front is not None:
                 timings.append((0, now - front_started))
-            self._latency.record_at("put", now - started, timings)
+            latency.record_at("put", now - started, timings)
         return sum(acked if self.durable_puts else held)
 
     def reserve(self, ns: Namespace, key: bytes,

@@ -3,7 +3,7 @@ tiers count what they do anyway, so counters cost the data path nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -12,12 +12,10 @@ from prometheus_client.registry import Collector
 from kvpool.errors import PoolClosedError
 from kvpool.metrics.families import Families
 from kvpool.metrics.recorder import OpLatency
+from kvpool.tiers.base import hit_counts
 
 Stats = dict[str, Any]
 
-#: (pool counter prefix, tier label): the pool counts reads as <prefix>_hits etc.
-_READ_TIERS = (("dram", "dram"), ("staged", "ssd_staging"), ("ssd", "ssd"),
-               ("cluster_staged", "cluster_staging"), ("remote", "remote"))
 
 
 def _get(stats: Stats, *path: str) -> Any:
@@ -30,13 +28,16 @@ def _get(stats: Stats, *path: str) -> Any:
 
 
 class PoolCollector(Collector):
-    """Collects from ``stats`` (KVPool.stats) and ``latency()`` (None: no histograms). A pool
-    that is closed yields nothing."""
+    """Collects from ``stats`` (KVPool.stats) and ``latency()`` (None: no histograms).
+    ``tiers``: the pool's tiers as (name, label): the pool counts a tier's reads under its
+    name (``hit_counts``), the metrics label them. A pool that is closed yields nothing."""
 
     def __init__(self, stats: Callable[[], Stats],
-                 latency: Callable[[], OpLatency | None]) -> None:
+                 latency: Callable[[], OpLatency | None],
+                 tiers: Sequence[tuple[str, str]]) -> None:
         self._stats = stats
         self._latency = latency
+        self._tiers = list(tiers)
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -44,7 +45,7 @@ class PoolCollector(Collector):
         except PoolClosedError:
             return iter(())
         out = Families()
-        pool_counters(out, stats)
+        pool_counters(out, stats, self._tiers)
         tier_counters(out, stats)
         remote_metrics(out, stats)
         latency = self._latency()
@@ -55,14 +56,15 @@ class PoolCollector(Collector):
         return iter(out)
 
 
-def pool_counters(out: Families, stats: Stats) -> None:
+def pool_counters(out: Families, stats: Stats, tiers: Sequence[tuple[str, str]]) -> None:
     pool = stats["pool"]
     out.add("kvpool_lookups_total", pool["lookups"])
     out.add("kvpool_lookup_hit_chunks_total", pool["lookup_hit_chunks"])
-    for prefix, tier in _READ_TIERS:
-        out.add("kvpool_hit_chunks_total", pool.get(f"{prefix}_hits", 0), tier)
-        out.add("kvpool_hit_tokens_total", pool.get(f"{prefix}_hit_tokens", 0), tier)
-        out.add("kvpool_read_bytes_total", pool.get(f"{prefix}_hit_bytes", 0), tier)
+    for name, tier in tiers:
+        chunks, nbytes, tokens = hit_counts(name)
+        out.add("kvpool_hit_chunks_total", pool.get(chunks, 0), tier)
+        out.add("kvpool_hit_tokens_total", pool.get(tokens, 0), tier)
+        out.add("kvpool_read_bytes_total", pool.get(nbytes, 0), tier)
     out.add("kvpool_miss_chunks_total", pool["misses"])
     out.add("kvpool_miss_tokens_total", pool.get("miss_tokens", 0))
     out.add("kvpool_promotions_total", pool["promotions"])
