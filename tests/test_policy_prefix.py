@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtest import byte_namespace, payload_for, small_config
+from test_policies import assert_tracks, evict_pinned_sevens
 
 from kvpool import KVPool
 from kvpool.keys import Namespace
@@ -108,14 +109,8 @@ def test_prefix_policy_tracks_exactly_the_resident_set(ops: list[tuple[str, int,
             policy.remove(key)
             resident.discard(key)
         else:
-            victim = policy.evict(lambda k: k % 7 != 0)
-            if victim is None:
-                assert all(k % 7 == 0 for k in resident)
-            else:
-                assert victim in resident and victim % 7 != 0  # type: ignore[operator]
-                resident.discard(victim)  # type: ignore[arg-type]
-        assert len(policy) == len(resident)
-        assert all(k in policy for k in resident)
+            evict_pinned_sevens(policy, resident)
+        assert_tracks(policy, resident)
 
 
 # ---------------------------------------------------------------- through the DRAM tier
