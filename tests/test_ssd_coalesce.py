@@ -261,8 +261,8 @@ def test_a_failed_piece_costs_only_the_records_not_yet_checked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run read in pieces (read_piece_bytes) checks each piece's records as it lands: when
     a later piece's read fails (a bad range of the medium), the records of the pieces before
-    it are hits from the run and only the rest are read alone, not the checked ones again (here failing again: counted
-    io_errors, kept in the index)."""
+    it are hits from the run, not read again, and only the rest are read alone (here
+    failing again: counted io_errors, kept in the index)."""
     piece = 256 * 1024  # whole records of ~256 KiB: 4 records of 68 KiB per piece
     eng = engine_at(tmp_path, read_piece_bytes=piece)
     try:
