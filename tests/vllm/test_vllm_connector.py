@@ -112,7 +112,10 @@ def test_corrupt_chunk_is_recomputed(run_engine: EngineRunner, tiny_model: Path,
     key0 = ns.chunk_keys(P1)[0]
     assert len(key0) == KEY_BYTES
     _flip_payload_byte(cache, key0)
-    result = run_engine(spec(tiny_model, [P1], cache))
+    cold = spec(tiny_model, [P1], cache)
+    # no warm start, which would meet the bad chunk before the load does
+    cold["connector"]["extra"]["config"]["pool"]["warm_start_fraction"] = 0
+    result = run_engine(cold)
     assert outputs(result) == outputs(baseline)[:1]
     c = counters(result)
     assert c["load_failed_chunks"] == P1_CHUNKS  # chunk 0 bad: the whole prefix fails
