@@ -45,6 +45,7 @@ from kvpool.server.traffic import DISCARD_BYTES, IOV_MAX
 if TYPE_CHECKING:
     from kvpool.server.connection import Connection
 
+
 class Lane:
     """Serves ``conn`` on a lane thread until the peer leaves, a request ends the connection
     or the node drains. The caller has taken the lane (``Traffic.take_lane``); ``run`` gives
