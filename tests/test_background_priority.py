@@ -36,8 +36,10 @@ def test_background_threads_yield_to_the_engine(tmp_path: Path, nice: int) -> No
         pool.register_namespace(ns)
         other = (2).to_bytes(16, "little")
         pool.put(ns, other, payload_for(other))
-    with KVPool(small_config(tmp_path, pool={"background_nice": nice})) as pool:
+    # no warm start: DRAM is empty after the reopen, so the prefetch has a chunk to move
+    cfg = small_config(tmp_path, pool={"background_nice": nice, "warm_start_fraction": 0})
+    with KVPool(cfg) as pool:
         pool.register_namespace(ns)
-        future = pool.prefetch(ns, [other])  # DRAM is empty after the reopen
+        future = pool.prefetch(ns, [other])
         assert future is not None and future.result(10) == 1
         assert nice_of("kvpool-mover") == min(19, mine + nice)

@@ -18,7 +18,7 @@ def k(i: int) -> bytes:
 
 def test_fetching_pins_reads_each_ssd_chunk_once_into_dram(tmp_path: Path) -> None:
     ns, keys = byte_namespace(), [k(i) for i in range(6)]
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, pool={"warm_start_fraction": 0})  # restarts cold
     with KVPool(cfg) as pool:  # written through to the SSD
         pool.register_namespace(ns)
         pool.put_many(ns, keys, [payload_for(x) for x in keys])
@@ -45,7 +45,8 @@ def test_fetching_pins_reads_each_ssd_chunk_once_into_dram(tmp_path: Path) -> No
 
 def test_fetching_pins_without_a_free_slot_gives_none_at_once(tmp_path: Path) -> None:
     ns = byte_namespace()
-    cfg = small_config(tmp_path, dram={"put_wait_s": 60.0})  # a wait would hang the test
+    cfg = small_config(tmp_path, dram={"put_wait_s": 60.0},  # a wait would hang the test
+                       pool={"warm_start_fraction": 0})  # the cold chunks stay on SSD
     held, cold = [k(i) for i in range(16)], [k(100 + i) for i in range(3)]
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
@@ -88,7 +89,7 @@ class _CountedHeldReads:
 def test_a_load_waits_for_the_prefetch_reading_its_chunks_instead_of_reading_them_again(
         tmp_path: Path) -> None:
     ns, keys = byte_namespace(), [k(i) for i in range(4)]
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, pool={"warm_start_fraction": 0})  # restarts cold
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         pool.put_many(ns, keys, [payload_for(x) for x in keys])

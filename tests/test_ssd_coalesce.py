@@ -255,3 +255,38 @@ def test_a_prefix_copied_forward_stays_in_order_and_one_read(tmp_path: Path) -> 
             assert np.array_equal(out, payload_for(key, CHUNK))
     finally:
         eng.close()
+
+
+def test_a_failed_piece_costs_only_the_records_not_yet_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run read in pieces (read_piece_bytes) checks each piece's records as it lands: when
+    a later piece's read fails (a bad range of the medium), the records of the pieces before
+    it are hits from the run, not read again, and only the rest are read alone (here
+    failing again: counted io_errors, kept in the index)."""
+    piece = 256 * 1024  # whole records of ~256 KiB: 4 records of 68 KiB per piece
+    eng = engine_at(tmp_path, read_piece_bytes=piece)
+    try:
+        keys = [k(i) for i in range(N)]
+        save_prefix(eng, keys)
+        first = loc(eng, keys[0])
+        bad_from = eng._store.base(first.segment) + loc(eng, keys[8]).block * BLOCK
+        real_preadv = os.preadv
+        good_reads: list[int] = []
+
+        def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+            if offset >= bad_from:
+                raise OSError(5, "Input/output error (injected: a bad range)")
+            good_reads.append(offset)
+            return real_preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+        outs = [aligned_out(CHUNK) for _ in keys]
+        assert eng.get_many_into(keys, outs) == [i < 8 for i in range(N)]
+        assert all(np.array_equal(outs[i], payload_for(keys[i])) for i in range(8))
+        assert len(good_reads) == 2  # the first two pieces, each once: not read again alone
+        st = eng.stats()
+        assert st["io_errors"] == N - 8 and st["hits"] == 8 and st["coalesced_reads"] == 0
+        monkeypatch.setattr(os, "preadv", real_preadv)
+        assert eng.get_many_into(keys, outs) == [True] * N  # every record was kept
+    finally:
+        eng.close()

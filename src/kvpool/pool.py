@@ -42,6 +42,7 @@ from kvpool.metrics.recorder import OpLatency
 from kvpool.mover import Mover
 from kvpool.tiers.base import leading_run, read_tiers
 from kvpool.tiers.slots import PinnedView, SlotReservation
+from kvpool.tiers.ssd import SsdTier
 from kvpool.tiers.stack import build_tiers
 
 
@@ -97,7 +98,7 @@ class KVPool:
         self._counters = Counters(  # bumped by callers, the mover thread and IO threads
             "lookups", "lookup_hit_chunks", "dram_hits", "staged_hits", "ssd_hits",
             "remote_hits", "misses", "promotions", "promotions_skipped", "prefetched",
-            "prefetch_skipped")
+            "prefetch_skipped", "warmed", "warm_skipped")
         self._stack = build_tiers(self.config, remote)
         self._tiers = self._stack.tiers
         self._front = self._stack.front
@@ -149,12 +150,27 @@ class KVPool:
         for its tenant, ArgumentError if ``ns`` is not a Namespace."""
         self._check_open()
         check_namespace_type(ns)
-        if ns.id not in self._namespaces:
+        new = ns.id not in self._namespaces
+        if new:
             for tier in self._tiers:
                 tier.register_namespace(ns)
         with self._lock:
             self._namespaces[ns.id] = ns
+        if new:
+            self._warm(ns)
         return ns
+
+    def _warm(self, ns: Namespace) -> None:
+        """Queue the move of the namespace's newest SSD chunks up into DRAM, within
+        ``pool.warm_start_fraction`` of its capacity (see that knob); a no-op without DRAM,
+        SSD or mover. Never raises: the move's faults are misses, as a prefetch's."""
+        fraction = self.config.pool.warm_start_fraction
+        ssd = next((t for t in self._tiers if isinstance(t, SsdTier)), None)
+        if self._mover is None or self._front is None or ssd is None or fraction <= 0:
+            return
+        keys = ssd.engine.newest(ns.id, int(fraction * self._front.capacity))
+        if keys:
+            self._mover.submit(ns, keys, "warmed", "warm_skipped", False)
 
     def unregister_namespace(self, ns: Namespace) -> None:
         """Forget a namespace (a storage node bounds its registry with this). Its chunks stay

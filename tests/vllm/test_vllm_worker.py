@@ -112,7 +112,8 @@ def test_a_lookup_reads_ahead_prefetch_window_tokens_of_an_ssd_prefix(
     prefetch_window_tokens of it (rounded up to 2-block chunks; default 16 chunks) up to DRAM."""
     extra: dict[str, object] = {"chunk_tokens": 2 * BLOCK, "config": {
         "cache_dir": str(tmp_path), "dram": {"capacity": "8MiB", "slab_size": "1MiB"},
-        "ssd": {"capacity": "8MiB", "segment_size": "1MiB"}}}
+        "ssd": {"capacity": "8MiB", "segment_size": "1MiB"},
+        "pool": {"warm_start_fraction": 0}}}  # the restart leaves the prefix on SSD only
     if window is not None:
         extra["prefetch_window_tokens"] = window
     settings = parse_settings(extra, BLOCK)

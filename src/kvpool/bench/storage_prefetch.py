@@ -53,7 +53,8 @@ def bench_prefetch(run: Run) -> None:
         "dram": {"capacity": slabs * plan.dram_slab, "slab_size": plan.dram_slab},
         "ssd": {"capacity": engine_capacity(plan, size, total),
                 "segment_size": plan.segment_size},
-        "pool": {"ssd_write": "through"}})
+        # no warm start: the case measures loads of prefixes only the SSD holds
+        "pool": {"ssd_write": "through", "warm_start_fraction": 0}})
     ns = namespace_for(size)
     try:
         with KVPool(cfg, remote=False) as pool:  # untimed: every prefix saved to SSD

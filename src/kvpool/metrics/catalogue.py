@@ -68,6 +68,9 @@ def _specs() -> list[MetricSpec]:
                    "Chunks moved up into DRAM after a read found them below."),
         MetricSpec("kvpool_prefetched_total", "counter",
                    "Chunks moved up into DRAM by prefetch or lookup read-ahead."),
+        MetricSpec("kvpool_warmed_total", "counter",
+                   "Chunks moved up into DRAM from the SSD when their namespace was registered "
+                   "(pool.warm_start_fraction)."),
         MetricSpec("kvpool_demotions_total", "counter",
                    "DRAM victims handed to the SSD write-behind queue."),
         MetricSpec("kvpool_checksum_failures_total", "counter",

@@ -69,6 +69,7 @@ def pool_counters(out: Families, stats: Stats, tiers: Sequence[tuple[str, str]])
     out.add("kvpool_miss_tokens_total", pool.get("miss_tokens", 0))
     out.add("kvpool_promotions_total", pool["promotions"])
     out.add("kvpool_prefetched_total", pool["prefetched"])
+    out.add("kvpool_warmed_total", pool["warmed"])
     out.add("kvpool_demotions_total", pool.get("demotions", 0))
     out.add("kvpool_queue_depth", pool.get("mover_pending", 0), "mover")
 

@@ -15,14 +15,15 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from contextlib import closing
 
 from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError, CorruptRecordError
 from kvpool.logs import RateLimited
-from kvpool.record import BLOCK, HEADER_BLOCK, record_size
+from kvpool.record import BLOCK, HEADER_BLOCK, describes, record_size
 from kvpool.ssd.directio import ThreadBuffers
 from kvpool.ssd.index import CompactIndex, Location, NamespaceIds
-from kvpool.ssd.reader import RecordRead, read_record, read_run
+from kvpool.ssd.reader import RecordRead, checked, read_record, read_run
 from kvpool.ssd.segments import SegmentStore
 
 log = logging.getLogger("kvpool.ssd")
@@ -84,32 +85,54 @@ class ReadChecks:
         return wanted
 
     def fetch_run(self, keys: list[bytes], locs: list[Location], outs: list[memoryview],
-                   namespace_id: bytes | None) -> list[bool]:
-        """Read admitted records lying back to back: one preadv, then each record checked."""
+                  namespace_id: bytes | None) -> list[bool]:
+        """Read admitted records lying back to back (reader.read_run), checking each alone
+        as it lands. The common record passes a lean check (record.describes: one unpack,
+        two hashes); one that fails it is judged again by the full checks (verdict /
+        corrupt), which count and log why. A record the read did not reach, and every record
+        not yet checked when the run's read failed, is read alone (fetch), so a bad sector
+        costs only the records on it."""
         if len(keys) == 1:
             return [self.fetch(keys[0], locs[0], outs[0], False, namespace_id)]
-        reads: list[RecordRead | CorruptRecordError | None]
+        hits: list[bool] = []
+        passed = 0  # hits of the lean check, counted once for the run
         try:
-            reads = read_run(self._store, self._buffers, self._pieces, locs, outs, self._piece)
+            with closing(read_run(self._store, self._buffers, self._pieces, locs, outs,
+                                  self._piece)) as landed:
+                for scratch, place in landed:
+                    j = len(hits)
+                    key, loc, out = keys[j], locs[j], outs[j]
+                    if place is None:
+                        hits.append(self.fetch(key, loc, out, False, namespace_id))
+                        continue
+                    header_at, payload = place
+                    if describes(scratch, header_at, key, namespace_id, payload):
+                        if payload is not out:
+                            out[:] = payload
+                        passed += 1
+                        hits.append(True)
+                    else:
+                        read = checked(scratch, header_at, payload, loc.blocks * BLOCK)
+                        hits.append(self._judge(key, loc, out, read, namespace_id))
             self._counters.add("coalesced_reads")
             self._counters.add("coalesced_records", len(keys))
         except OSError as exc:  # maybe one bad sector: read each alone, each counts its own
             log.debug("ssd: coalesced read failed (%s); reading its records one by one", exc)
-            reads = [None] * len(keys)
-        hits = []
-        passed = 0  # hits judged here, counted once (a record read alone counts its own)
-        for key, loc, out, r in zip(keys, locs, outs, reads, strict=True):
-            if r is None:  # not reached by a short read, or the run failed
-                hits.append(self.fetch(key, loc, out, False, namespace_id))
-            elif isinstance(r, CorruptRecordError):
-                hits.append(self.corrupt(key, loc, str(r)))
-            else:
-                ok = self.verdict(key, loc, out, r, namespace_id)
-                passed += ok
-                hits.append(ok)
+            hits.extend(self.fetch(keys[j], locs[j], outs[j], False, namespace_id)
+                        for j in range(len(hits), len(keys)))
         if passed:
             self._counters.add("hits", passed)
         return hits
+
+    def _judge(self, key: bytes, loc: Location, out: memoryview,
+               read: RecordRead | CorruptRecordError, namespace_id: bytes | None) -> bool:
+        """The full checks of one record of a run as read; a hit is counted here."""
+        if isinstance(read, CorruptRecordError):
+            return self.corrupt(key, loc, str(read))
+        if self.verdict(key, loc, out, read, namespace_id):
+            self._counters.add("hits")
+            return True
+        return False
 
     def fetch(self, key: bytes, loc: Location, out: memoryview, pipelined: bool,
                namespace_id: bytes | None) -> bool:

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import numpy as np
+
 from kvpool.buffers import byte_view
 from kvpool.config import Config, SsdConfig
 from kvpool.counters import Counters
@@ -350,6 +352,29 @@ class SsdEngine:
         else:
             list(self._io.map(read, runs))
         return hits
+
+    def newest(self, namespace_id: bytes, max_bytes: int) -> list[bytes]:
+        """The keys of the namespace's most recently written records whose payloads fit
+        ``max_bytes`` in all, in write order (oldest of them first, so a prefix saved by one
+        put_many stays one run for get_many_into); what a restart warms DRAM with. Empty for
+        a namespace with no records; never raises once open."""
+        self._check_open()
+        with self._lock:
+            want = self._ns.find(namespace_id)
+            if want < 0 or max_bytes <= 0:
+                return []
+            slots = self._index.slots_where(ns_index=want)
+            if not slots.size:
+                return []
+            start = np.array([self._log.segments[s].start_seq for s in range(self._store.count)],
+                             dtype=np.uint64)
+            segment = self._index.column("segment")[slots]
+            # newest first: by the segment's first seq, then by place in the segment
+            order = np.lexsort((self._index.column("block")[slots], start[segment]))[::-1]
+            payload = (self._index.column("blocks")[slots[order]].astype(np.int64) - 1) * BLOCK
+            taken = int(np.searchsorted(np.cumsum(payload), max_bytes, side="right"))
+            chosen = slots[order[:taken]][::-1]
+            return [self._index.key_at(int(slot)) for slot in chosen]
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ checksum) stay in the engine's read path and run on every record of a run alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import Executor
 from typing import NamedTuple
 
@@ -105,20 +105,27 @@ def plan_runs(order: Sequence[int], locs: Sequence[Location],
     return runs
 
 
+#: Where one record of a run landed: its header block's offset in the run scratch, and its
+#: payload (its ``out``, or a view of the scratch when it could not land there).
+Placed = tuple[int, memoryview]
+
+
 def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
              locs: Sequence[Location], outs: Sequence[memoryview], piece: int
-             ) -> list[RecordRead | CorruptRecordError | None]:
+             ) -> Generator[tuple[memoryview, Placed | None], None, None]:
     """Read the back-to-back records at ``locs`` (as ``plan_runs`` groups them; each ``out``
     exactly its record's payload size): header blocks into this thread's run scratch, each
     payload straight into its ``out`` where O_DIRECT allows (else into the scratch; a
     buffered read's padding goes there too). A run of ``2 * piece`` bytes or more is read as
     consecutive preadvs of whole records of about ``piece`` bytes each, the later ones on
-    ``pieces``, while this thread parses and hashes each piece as it lands (as read_record
-    does for one large record); a smaller run is one preadv. Per record: its RecordRead, the
-    CorruptRecordError its header raised, or None when a short read did not reach its end
-    (the caller reads it alone). Raises OSError when a read fails (the caller then reads
-    each record alone, so a bad sector costs only the records on it); nothing lands in any
-    ``out`` after it returns or raises."""
+    ``pieces``, while the caller checks each piece's records as that piece lands (as
+    read_record hashes one large record); a smaller run is one preadv. Yields, per record in
+    order, the run scratch (this thread's) and where the record landed, or None when a short
+    read did not reach its end (the caller reads it alone); the checks are the caller's, who
+    must close the generator (contextlib.closing) when it stops early. Raises OSError (from
+    the iteration) when a read fails: the caller then reads the records it has not checked
+    alone, so a bad sector costs only the records on it. Nothing lands in any ``out`` once
+    the generator is exhausted, closed or has raised."""
     direct = store.direct
     into_out = [not direct or is_direct_capable(out) for out in outs]
     total = sum(loc.blocks for loc in locs) * BLOCK
@@ -132,7 +139,7 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
     # whole padded payload when it cannot land in its ``out``); scratch bytes that follow
     # one another on the medium go out as one iovec.
     plan: list[tuple[int, list[memoryview], int, int]] = []
-    places: list[tuple[int, memoryview]] = []  # per record: (header offset in scratch, payload)
+    places: list[Placed] = []
     pos = 0  # next free byte of the scratch
     offset = 0  # of the current piece's start, from the run's start
     iov: list[memoryview] = []
@@ -165,7 +172,6 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
             offset += piece_bytes
             iov, piece_bytes, piece_first = [], 0, i + 1
     futures = [pieces.submit(os.preadv, fd, v, base + o) for o, v, _a, _b in plan[1:]]
-    reads: list[RecordRead | CorruptRecordError | None] = []
     try:
         got = os.preadv(fd, plan[0][1], base)
         for k, (_o, _v, first, end) in enumerate(plan):
@@ -173,19 +179,18 @@ def read_run(store: SegmentStore, buffers: ThreadBuffers, pieces: Executor,
                 got = futures[k - 1].result()
             start = 0
             for j in range(first, end):
-                size = locs[j].blocks * BLOCK
-                reads.append(_checked(scratch, *places[j], size) if start + size <= got
-                             else None)
-                start += size
+                start += locs[j].blocks * BLOCK
+                yield scratch, (places[j] if start <= got else None)
     finally:
-        for future in futures:  # never leave a piece landing in an `out` after we return
+        for future in futures:  # never leave a piece landing in an `out` after we stop
             future.exception()
-    return reads
 
 
-def _checked(scratch: memoryview, header_at: int, payload: memoryview, size: int
+def checked(scratch: memoryview, header_at: int, payload: memoryview, size: int
              ) -> RecordRead | CorruptRecordError:
-    """One record of a run as read: its header parsed (or why not) and its payload hashed."""
+    """One record of a run as read (its header block at ``header_at`` of ``scratch``, its
+    payload in ``payload``, ``size`` bytes on the medium): the header parsed (or the
+    CorruptRecordError saying why not) and the payload hashed."""
     try:
         header = unpack_header(scratch, header_at)
     except CorruptRecordError as exc:
