@@ -218,6 +218,7 @@ class ServerConfig(_Section):
     offload_bytes: Size = Field(512 << 10, description="While more than one request is in flight, a payload at least this large is received or sent on a network thread (the copy out of the kernel releases the GIL) instead of the event loop.")
     worker_threads: int = Field(0, ge=0, le=256, description="Threads for pool work the event loop must not wait on (lookups, SSD reads, deletes, durable commits, STATS). 0 = max(4, ssd.io_threads).")
     net_threads: int = Field(16, ge=1, le=256, description="Network threads that move large payloads (see offload_bytes).")
+    lane_connections: int = Field(16, ge=0, le=256, description="Up to this many connections at once that have moved a payload of at least offload_bytes are each served by a thread of their own from then on (blocking socket calls, GETs and PUTs served on that thread; other requests still go through the event loop). The rest stay on the event loop. 0 = none.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics at http://<host>:<metrics_port>/metrics (the node's pool, its tiers and its server; 0 = any free port). Registered in etcd beside the node's address, so kvpool monitor finds it. Unset: none.")
     inline_exists_keys: int = Field(4096, ge=0, description="An EXISTS or EXISTS_PREFIX of at most this many keys that arrives while no other request is in flight is probed on the event loop (in-memory index lookups) instead of a worker thread: the hop there and back cost more than the probe. 0 = always on a worker.")
 

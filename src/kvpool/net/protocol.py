@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -215,3 +216,11 @@ def error_for(status: int, message: str) -> RemoteError:
     if st in (Status.AUTH_FAILED, Status.AUTH_REQUIRED, Status.FORBIDDEN):
         return AuthError(st, message)
     return RemoteError(st, message)
+
+
+def answer_frame(req: Header, status: Status = Status.OK, count: int = 0, meta: bytes = b"",
+                 payload: Sequence[memoryview] = ()) -> list[bytes | memoryview]:
+    """The buffers of the answer to ``req``: header and metadata, then the payload views."""
+    nbytes = sum(p.nbytes for p in payload)
+    head = Header(req.op | RESPONSE_BIT, req.req_id, count, len(meta), nbytes, status)
+    return [head.pack() + meta, *payload]

@@ -7,7 +7,9 @@ connections). Payloads move without staging copies: a PUT payload is received wi
 ``recv_into`` straight into the DRAM slots the store reserved, and a GET answer is sent with
 one scatter-gather ``sendmsg`` from the views the store pinned (SSD hits are read into a
 per-request buffer first). While more than one request is in flight on the node, transfers of
-at least ``server.offload_bytes`` run on a network thread.
+at least ``server.offload_bytes`` run on a network thread. A connection that has moved such a
+payload is from then on served by a thread of its own (lane.py), up to
+``server.lane_connections`` of them.
 
 Failure contract: a request the node can answer wrongly-but-safely (the store's Refused:
 unknown namespace, forbidden tenant, too many bytes for one answer) gets an error response and
@@ -28,55 +30,35 @@ import json
 import logging
 import select
 import socket
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
 
 from kvpool.buffers import advance
 from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES
-from kvpool.metrics.recorder import LabeledLatency
 from kvpool.net.protocol import (
     HEADER_BYTES,
     KEYED_OPS,
     NS_BYTES,
-    RESPONSE_BIT,
     Header,
     Op,
     ProtocolError,
     Status,
+    answer_frame,
     pack_flags,
     split_get_keys,
     split_keys,
     unpack_header,
 )
+from kvpool.server.lane import Lane
 from kvpool.server.store import NodeStore, Refused
+from kvpool.server.traffic import DISCARD_BYTES, IOV_MAX, Traffic
 
 log = logging.getLogger("kvpool.serve")
 
 _SMALL_META = 64 * 1024  # AUTH / NAMESPACE metadata
-_DISCARD = 1 << 20
-IOV_MAX = 512
-
-
-class Traffic:
-    """What the connections of one node share: the connections being served (the node's
-    accept loop fills the table), the requests in flight, whether the node is draining (a
-    connection closes after its current request), and the network threads."""
-
-    def __init__(self, net_threads: int, latency: LabeledLatency | None = None) -> None:
-        self.served: dict[asyncio.Task[None], Connection] = {}
-        #: Request latency per op (None: metrics.enabled false).
-        self.latency = latency
-        self.inflight = 0
-        self.draining = False
-        self.net_executor = ThreadPoolExecutor(net_threads, thread_name_prefix="kvpool-node-net")
-
-    @property
-    def busy(self) -> bool:
-        """More than one request in flight: large transfers then go to network threads."""
-        return self.inflight > 1
 
 
 class Connection:
@@ -92,9 +74,13 @@ class Connection:
         self.peer = _peer_name(sock)
         self.session = store.open_session(self.peer)  # the store names it in auth failures
         self.refusal = refusal
-        self.last_io = self.loop.time()  # the node's sweeper closes idle or stalled peers
+        # time.monotonic(), written by the lane thread too: the node's sweeper closes idle
+        # or stalled peers
+        self.last_io = time.monotonic()
         self.accepted = self.last_io
         self.cut_off: str | None = None  # why the sweeper closed it (a counter's name)
+        #: It has moved a payload of server.offload_bytes or more: a lane would serve it.
+        self.moves_large = False
 
     def count(self, name: str, n: int = 1) -> None:
         self.store.counters.add(name, n)
@@ -108,7 +94,7 @@ class Connection:
         if view.nbytes >= self.cfg.offload_bytes and self.traffic.busy:
             await self.loop.run_in_executor(self.traffic.net_executor, self._recv_blocking,
                                             view)
-            self.last_io = self.loop.time()
+            self.last_io = time.monotonic()
             return
         got = 0
         while got < view.nbytes:
@@ -116,10 +102,10 @@ class Connection:
             if n == 0:
                 raise ConnectionError("peer closed the connection")
             got += n
-            self.last_io = self.loop.time()
+            self.last_io = time.monotonic()
 
     async def discard(self, nbytes: int) -> None:
-        scratch = memoryview(bytearray(min(nbytes, _DISCARD)))
+        scratch = memoryview(bytearray(min(nbytes, DISCARD_BYTES)))
         while nbytes:
             part = scratch[:min(nbytes, scratch.nbytes)]
             await self.recv_exact(part)
@@ -175,7 +161,7 @@ class Connection:
         if sum(b.nbytes for b in bufs) >= self.cfg.offload_bytes and self.traffic.busy:
             await self.loop.run_in_executor(self.traffic.net_executor, self._send_blocking,
                                             bufs)
-            self.last_io = self.loop.time()
+            self.last_io = time.monotonic()
             return
         while bufs:
             try:
@@ -186,13 +172,11 @@ class Connection:
             if bufs and not sent:
                 # The socket buffer is full: let the loop wait until the first piece is out.
                 await self.loop.sock_sendall(self.sock, bufs.pop(0))
-            self.last_io = self.loop.time()
+            self.last_io = time.monotonic()
 
     async def reply(self, req: Header, status: Status = Status.OK, count: int = 0,
                     meta: bytes = b"", payload: Sequence[memoryview] = ()) -> None:
-        nbytes = sum(p.nbytes for p in payload)
-        head = Header(req.op | RESPONSE_BIT, req.req_id, count, len(meta), nbytes, status)
-        await self.send([head.pack() + meta, *payload])
+        await self.send(answer_frame(req, status, count, meta, payload))
 
     # ------------------------------------------------------------------ main loop
     async def serve(self) -> None:
@@ -204,12 +188,16 @@ class Connection:
             while True:
                 await self.recv_exact(header_buf)
                 req = unpack_header(header_buf)
-                traffic.inflight += 1
+                traffic.begin()
                 try:
                     keep = await self.handle(req)
                 finally:
-                    traffic.inflight -= 1
+                    traffic.end()
                 if not keep or traffic.draining:
+                    return
+                if self.moves_large and traffic.take_lane():
+                    self.count("lanes_started")
+                    await Lane(self).run()  # serves the rest of the connection's requests
                     return
         except ProtocolError as exc:
             self.count("protocol_errors")
@@ -225,14 +213,25 @@ class Connection:
 
     async def handle(self, req: Header) -> bool:
         """Serve one request; False when the connection must close afterwards."""
+        op = self.check(req)
+        started = perf_counter()
+        meta = memoryview(bytearray(req.meta_len))
+        await self.recv_exact(meta)
+        return await self.answer(op, req, meta, started)
+
+    def check(self, req: Header) -> Op:
+        """The request's op; raises ProtocolError for an unknown one or a frame over the
+        limits."""
         try:
             op = Op(req.op)
         except ValueError:
             raise ProtocolError(f"unknown opcode {req.op}") from None
         self._check_limits(op, req)
-        started = perf_counter()
-        meta = memoryview(bytearray(req.meta_len))
-        await self.recv_exact(meta)
+        return op
+
+    async def answer(self, op: Op, req: Header, meta: memoryview, started: float) -> bool:
+        """Answer a request whose metadata is read (``started``: when it arrived); False when
+        the connection must close afterwards."""
         name = op.name.lower()
         self.count(f"op_{name}")
         try:
@@ -242,14 +241,20 @@ class Connection:
                 raise Refused(Status.AUTH_REQUIRED, "this node requires AUTH first", close=True)
             await self._dispatch(op, req, meta)
         except Refused as refused:
-            self.store.counters.add_many({"refused": 1,
-                                          f"refused_{refused.status.name.lower()}": 1})
+            self.count_refused(refused)
             await self.reply(req, refused.status, meta=refused.message.encode())
             return not refused.close
         finally:
-            if self.traffic.latency is not None:
-                self.traffic.latency.record(name, perf_counter() - started)
+            self.record_latency(name, started)
         return True
+
+    def count_refused(self, refused: Refused) -> None:
+        self.store.counters.add_many({"refused": 1,
+                                      f"refused_{refused.status.name.lower()}": 1})
+
+    def record_latency(self, op_name: str, started: float) -> None:
+        if self.traffic.latency is not None:
+            self.traffic.latency.record(op_name, perf_counter() - started)
 
     def _check_limits(self, op: Op, req: Header) -> None:
         cfg = self.cfg
@@ -279,7 +284,8 @@ class Connection:
             await self.reply(req, count=features, meta=ns_id)
         elif op is Op.STATS:
             transport = {"connections": len(self.traffic.served),
-                         "inflight_requests": self.traffic.inflight}
+                         "inflight_requests": self.traffic.inflight,
+                         "lanes": self.traffic.lanes}
             stats = await store.stats(session, transport)
             await self.reply(req, meta=json.dumps(stats, default=str).encode())
         elif op is Op.INVALIDATE:
@@ -321,6 +327,8 @@ class Connection:
         except Refused:
             await self.discard(req.payload_len)  # the frame stays in step; then answer
             raise
+        if req.payload_len >= self.cfg.offload_bytes:
+            self.moves_large = True
         try:
             for target in batch.targets:
                 if target is None:
@@ -335,6 +343,8 @@ class Connection:
     async def _get(self, req: Header, ns_id: bytes, keys: list[bytes],
                    touch: list[bytes]) -> None:
         answer = await self.store.get(self.session, ns_id, keys, touch)
+        if sum(v.nbytes for v in answer.views) >= self.cfg.offload_bytes:
+            self.moves_large = True
         try:
             await self.reply(req, count=len(answer.views), meta=answer.flags,
                              payload=answer.views)

@@ -38,8 +38,9 @@ from kvpool.metrics.server_collector import ServerCollector
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, log_fd_limits, raise_fd_limit
-from kvpool.server.connection import Connection, Traffic
+from kvpool.server.connection import Connection
 from kvpool.server.store import NodeStore
+from kvpool.server.traffic import Traffic
 
 log = logging.getLogger("kvpool.serve")
 
@@ -61,7 +62,8 @@ class StorageNode:
         self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
         self.traffic = Traffic(srv.net_threads,
-                               LabeledLatency() if config.metrics.enabled else None)
+                               LabeledLatency() if config.metrics.enabled else None,
+                               srv.lane_connections)
         self._connections = self.traffic.served
         self._refusing: dict[asyncio.Task[None], Connection] = {}
         self._say_refused = RateLimited()
@@ -166,12 +168,11 @@ class StorageNode:
     async def _sweep_idle(self) -> None:
         """Once a second (or faster for short timeouts): cut off idle or stalled peers. One
         timer for the node instead of one per request."""
-        loop = asyncio.get_running_loop()
         srv = self.config.server
         period = min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            now = loop.time()
+            now = time.monotonic()  # the connections' clock (lane threads write it too)
             for conn in [*self._connections.values(), *self._refusing.values()]:
                 conn.close_if_idle(now)
 
@@ -261,7 +262,7 @@ class StorageNode:
             await asyncio.get_running_loop().run_in_executor(None, self._drain_watch.close)
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
-        self.traffic.net_executor.shutdown(wait=True)
+        self.traffic.shutdown()
 
 
 def run(config: Config) -> int:

@@ -27,7 +27,9 @@ with the status to answer; ``close`` says whether the connection must end afterw
 whose payload size does not match its keys raises ProtocolError (the frame cannot be
 trusted). Anything else the pool raises propagates.
 
-Used from one event-loop thread (the counters may also be bumped from others).
+Used from one event-loop thread, except the ``*_blocking`` calls (and what ``get`` and the
+PUT calls share with them), which run on the transport's lane threads and the workers (the
+counters, the tenants' included, take locks; the pool is thread-safe).
 """
 
 from __future__ import annotations
@@ -261,13 +263,7 @@ class NodeStore:
         """Reserve room for a PUT of ``keys`` carrying ``payload_len`` bytes. Raises
         Refused(UNKNOWN_NAMESPACE) (the transport must still read the payload away) and
         ProtocolError when the payload is not one chunk per key."""
-        ns = session.namespaces.get(ns_id)
-        if ns is None:
-            raise _unknown(ns_id)
-        if payload_len != len(keys) * ns.chunk_bytes:
-            raise ProtocolError(f"PUT payload of {payload_len} bytes is not {len(keys)} "
-                                f"chunks of {ns.chunk_bytes}")
-        scoped = scoped_chunk_keys(ns_id, keys)
+        ns, scoped = self._put_scope(session, ns_id, keys, payload_len)
         # Slots are taken on the loop when that cannot block (the probes of what is stored
         # are index lookups; the SSD engine's lock is never held across IO); only a batch
         # that would wait for pinned slots goes to a worker thread.
@@ -278,23 +274,46 @@ class NodeStore:
             for slot in slots:
                 if not isinstance(slot, bool):
                     slot.abort()
-            slots = await self._off_loop(
-                lambda: [bool(s) if s is None else s for s in pool.reserve_many(ns, scoped)])
-        targets = [None if isinstance(s, bool) else s.view for s in slots]
-        return PutBatch(ns, targets, slots)
+            batch: PutBatch = await self._off_loop(self._reserve, ns, scoped)
+            return batch
+        return PutBatch(ns, [None if isinstance(s, bool) else s.view for s in slots], slots)
+
+    def begin_put_blocking(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+                           payload_len: int) -> PutBatch:
+        """``begin_put`` on the calling thread, waiting for pinned slots if it must: for a
+        lane, never the event loop. Same errors as begin_put."""
+        return self._reserve(*self._put_scope(session, ns_id, keys, payload_len))
+
+    def _put_scope(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+                   payload_len: int) -> tuple[Namespace, list[bytes]]:
+        ns = session.namespaces.get(ns_id)
+        if ns is None:
+            raise _unknown(ns_id)
+        if payload_len != len(keys) * ns.chunk_bytes:
+            raise ProtocolError(f"PUT payload of {payload_len} bytes is not {len(keys)} "
+                                f"chunks of {ns.chunk_bytes}")
+        return ns, scoped_chunk_keys(ns_id, keys)
+
+    def _reserve(self, ns: Namespace, scoped: list[bytes]) -> PutBatch:
+        """Slots for every chunk (waiting for pinned ones; no slot: dropped, as stored)."""
+        slots = [bool(s) if s is None else s for s in self.pool.reserve_many(ns, scoped)]
+        return PutBatch(ns, [None if isinstance(s, bool) else s.view for s in slots], slots)
 
     async def commit_put(self, batch: PutBatch) -> int:
         """Publish a PUT whose targets are all filled. Returns how many chunks count as
         stored (already-stored ones included); durable puts are written and synced first,
-        on a worker thread."""
+        on a worker thread (an fdatasync must never stall the event loop)."""
+        if self.pool.durable_puts:
+            result: int = await self._off_loop(self.commit_put_blocking, batch)
+            return result
+        return self.commit_put_blocking(batch)
+
+    def commit_put_blocking(self, batch: PutBatch) -> int:
+        """``commit_put`` on the calling thread, a durable put's write and sync included
+        (acknowledged = on the SSD and synced: one write and sync for the batch)."""
         received = [s for s in batch._slots if not isinstance(s, bool)]
         stored = sum(s for s in batch._slots if isinstance(s, bool))
-        if self.pool.durable_puts:
-            # Acknowledged = on the SSD and synced: one write and sync for the batch (an
-            # fdatasync must never stall the event loop).
-            stored += await self._off_loop(self.pool.commit_many, received)
-        else:
-            stored += self.pool.commit_many(received)
+        stored += self.pool.commit_many(received)
         ns = batch.ns
         self.counters.add("put_chunks", stored)
         self._count_tenant(ns.tenant, "requests")
@@ -362,7 +381,25 @@ class NodeStore:
     async def get(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
                   touch: Sequence[bytes] = ()) -> GetAnswer:
         """GET ``keys`` (touching ``touch`` first, as TOUCH does). Raises Refused(TOO_LARGE)
-        when the answer would exceed server.max_inflight_bytes."""
+        when the answer would exceed server.max_inflight_bytes. Chunks DRAM lacks are read
+        from the lower tiers on a worker thread."""
+        ns, scoped, pins = self._pin_for_get(session, ns_id, keys, touch)
+        if all(p is not None for p in pins):
+            return self._answer_get(ns, scoped, pins)
+        result: GetAnswer = await self._off_loop(self._answer_get, ns, scoped, pins)
+        return result
+
+    def get_blocking(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+                     touch: Sequence[bytes] = ()) -> GetAnswer:
+        """``get`` wholly on the calling thread, lower-tier reads included: for a thread
+        that serves one connection (the transport's lanes), never the event loop. Same
+        refusals as get."""
+        return self._answer_get(*self._pin_for_get(session, ns_id, keys, touch))
+
+    def _pin_for_get(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+                     touch: Sequence[bytes]) -> tuple[Namespace, list[bytes],
+                                                      list[PinnedView | None]]:
+        """Scope, touch, check the size and pin what DRAM holds (in-memory; never waits)."""
         ns, scoped = self._scoped(session, ns_id, keys)
         if touch:
             self.pool.touch(ns, scoped_chunk_keys(ns_id, touch))
@@ -370,23 +407,27 @@ class NodeStore:
             raise Refused(Status.TOO_LARGE, f"{len(keys)} chunks of {ns.chunk_bytes} bytes "
                           f"exceed max_inflight_bytes {self.cfg.max_inflight_bytes}; "
                           "split the batch")
-        pins: list[PinnedView | None] = self.pool.pin_many(ns, scoped)
+        return ns, scoped, self.pool.pin_many(ns, scoped)
+
+    def _answer_get(self, ns: Namespace, scoped: list[bytes],
+                    pins: list[PinnedView | None]) -> GetAnswer:
+        """The answer over ``pins``: chunks DRAM lacked are read from the lower tiers into
+        per-request buffers (blocking IO when there are any). Releases the pins if the read
+        raises."""
         try:
             payload: list[memoryview | None] = [p.data if p is not None else None for p in pins]
             missing = [i for i, p in enumerate(pins) if p is None]
             if missing:
                 bufs = [memoryview(bytearray(ns.chunk_bytes)) for _ in missing]
-                found = await self._off_loop(self.pool.get_many_into, ns,
-                                             [scoped[i] for i in missing], bufs)
+                found = self.pool.get_many_into(ns, [scoped[i] for i in missing], bufs)
                 for i, buf, hit in zip(missing, bufs, found, strict=True):
                     payload[i] = buf if hit else None
         except BaseException:
             _release(pins)
             raise
         views = [p for p in payload if p is not None]
-        hits, misses = len(views), len(keys) - len(views)
-        self.counters.add("get_hits", hits)
-        self.counters.add("get_misses", misses)
+        hits, misses = len(views), len(scoped) - len(views)
+        self.counters.add_many({"get_hits": hits, "get_misses": misses})
         self._count_tenant(ns.tenant, "get_hits", hits)
         self._count_tenant(ns.tenant, "get_misses", misses)
         self._count_tenant(ns.tenant, "get_bytes", hits * ns.chunk_bytes)

@@ -9,6 +9,7 @@ is not reported.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 COUNTERS = ("namespaces_declared", "requests", "put_chunks", "put_bytes", "get_hits",
@@ -16,9 +17,10 @@ COUNTERS = ("namespaces_declared", "requests", "put_chunks", "put_bytes", "get_h
 
 
 class TenantCounters:
-    """Counters per tenant. Event-loop thread only."""
+    """Counters per tenant. Thread-safe (the node's lanes count GETs off the event loop)."""
 
     def __init__(self, tenants: Iterable[str]) -> None:
+        self._lock = threading.Lock()
         self._counts: dict[str, dict[str, int]] = {t: dict.fromkeys(COUNTERS, 0)
                                                    for t in tenants}
 
@@ -26,10 +28,12 @@ class TenantCounters:
         """Count ``n`` under ``tenant``; a tenant outside the configured ones is ignored."""
         counts = self._counts.get(tenant)
         if counts is not None:
-            counts[name] += n
+            with self._lock:
+                counts[name] += n
 
     def snapshot(self, tenants: Iterable[str],
                  connections: dict[str, int]) -> dict[str, dict[str, int]]:
         """A copy of the named tenants' counters, with their open connections."""
-        return {t: {"connections": connections.get(t, 0), **self._counts[t]}
-                for t in sorted(tenants) if t in self._counts}
+        with self._lock:
+            return {t: {"connections": connections.get(t, 0), **self._counts[t]}
+                    for t in sorted(tenants) if t in self._counts}

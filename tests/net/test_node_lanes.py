@@ -1,0 +1,201 @@
+"""Lanes: a connection that has moved a payload of server.offload_bytes or more is served by a
+thread of its own (server/lane.py). Every op still answers as on the event loop, lower-tier
+reads included; refusals keep the connection; idle and stalled peers are cut off by the
+sweeper; a bad frame closes that connection only; a node stops with lanes busy or idle; and
+server.lane_connections bounds them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kvtest import byte_namespace, payload_for
+from node_process import NodeProcess
+
+from kvpool.net.connection import NodeConnection
+from kvpool.net.protocol import HEADER_BYTES, Op, RemoteError, pack_keys
+
+MiB = 1 << 20
+CHUNK = MiB  # over the default offload_bytes (512 KiB)
+NS = byte_namespace(CHUNK, salt="lanes")
+HANG_S = 60.0  # only a hang detector
+
+
+def wait_for(check: Any, what: str) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def server_stats(address: str) -> dict[str, Any]:
+    conn = NodeConnection(address)
+    try:
+        stats: dict[str, Any] = conn.stats()["server"]
+        return stats
+    finally:
+        conn.close()
+
+
+def put(conn: NodeConnection, n: int) -> list[bytes]:
+    """Store ``n`` fresh chunks, 4 per PUT."""
+    keys = [os.urandom(16) for _ in range(n)]
+    for i in range(0, n, 4):
+        part = keys[i:i + 4]
+        assert conn.put(NS, part, [payload_for(k, CHUNK) for k in part]) == len(part)
+    return keys
+
+
+def check_get(conn: NodeConnection, keys: list[bytes]) -> None:
+    outs = [np.zeros(CHUNK, np.uint8) for _ in keys]
+    assert conn.get_into(NS, keys, outs) == [True] * len(keys)
+    for key, out in zip(keys, outs, strict=True):
+        assert np.array_equal(out, payload_for(key, CHUNK))
+
+
+def laned(address: str) -> tuple[NodeConnection, list[bytes]]:
+    """A connection that has been handed to a lane (its first PUT moved 2 MiB)."""
+    conn = NodeConnection(address)
+    keys = put(conn, 2)
+    check_get(conn, keys)
+    return conn, keys
+
+
+def test_every_op_on_a_lane_answers_as_on_the_loop(tmp_path: Path) -> None:
+    with NodeProcess(tmp_path, dram={"capacity": "16MiB", "slab_size": "4MiB"},
+                     ssd={"capacity": "256MiB", "segment_size": "8MiB"},
+                     server={"max_inflight_bytes": "8MiB"}) as node:
+        conn, first = laned(node.address)
+        stats = conn.stats()["server"]  # STATS itself goes through the event loop
+        assert stats["lanes_started"] == 1 and stats["lanes"] == 1
+        keys = first + put(conn, 38)  # 40 MiB: most of it only on the SSD now
+        for i in range(0, len(keys), 8):  # 8 chunks per GET, the first ones read from SSD
+            check_get(conn, keys[i:i + 8])
+        absent = os.urandom(16)
+        outs = [np.zeros(CHUNK, np.uint8) for _ in range(3)]
+        assert conn.get_into(NS, [keys[0], absent, keys[1]], outs) == [True, False, True]
+        assert np.array_equal(outs[2], payload_for(keys[1], CHUNK))
+        assert conn.exists(NS, [keys[0], absent]) == [True, False]
+        assert conn.exists_prefix(NS, [keys[0], keys[1], absent]) == 2
+        assert conn.touch(NS, [keys[2], absent]) == 1
+        with pytest.raises(RemoteError, match="max_inflight_bytes"):  # refused on the lane
+            conn.get_into(NS, keys[:9], [np.zeros(CHUNK, np.uint8) for _ in range(9)])
+        other = byte_namespace(CHUNK, salt="lanes-undeclared")
+        with pytest.raises(RemoteError, match="not declared"):
+            conn._request(Op.GET, 1, pack_keys(other.id, [keys[0]]))
+            conn._answer(Op.GET, conn._req_id)
+        with pytest.raises(RemoteError, match="not declared"):  # its payload is read away
+            conn.call(Op.PUT, 2, pack_keys(other.id, keys[:2]),
+                      [memoryview(payload_for(k, CHUNK)) for k in keys[:2]])
+        assert conn.delete(NS, [keys[3]]) == 1
+        assert conn.get_into(NS, [keys[3]], outs[:1]) == [False]
+        check_get(conn, keys[4:6])  # the connection survived every refusal
+        stats = conn.stats()["server"]
+        assert stats["lanes_started"] == 1 and stats["refused_too_large"] == 1
+        assert stats["refused_unknown_namespace"] == 2
+        conn.close()
+        wait_for(lambda: server_stats(node.address)["lanes"] == 0, "the lane to end")
+
+
+def test_an_idle_lane_is_cut_off_and_a_bad_frame_closes_only_its_connection(
+        tmp_path: Path) -> None:
+    with NodeProcess(tmp_path, server={"idle_timeout_s": 1.0}) as node:
+        idle, _ = laned(node.address)
+        bad, _ = laned(node.address)
+        bad.sock.sendall(b"\xff" * HEADER_BYTES)  # not a frame
+        assert bad.sock.recv(16) == b""  # closed by the node
+        wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, "the idle cut-off")
+        with pytest.raises((ConnectionError, OSError)):
+            idle.ping()
+        stats = server_stats(node.address)
+        assert stats["protocol_errors"] == 1 and stats["lanes_started"] == 2
+        wait_for(lambda: server_stats(node.address)["lanes"] == 0, "both lanes to end")
+        conn, keys = laned(node.address)  # the node serves new lanes
+        check_get(conn, keys)
+        conn.close()
+        idle.close()
+        bad.close()
+
+
+def stall(conn: NodeConnection, keys: list[bytes]) -> None:
+    """Ask for more than the socket buffers hold and read none of it: the lane blocks in
+    its send."""
+    conn._request(Op.GET, len(keys), pack_keys(NS.id, keys))
+
+
+def test_a_peer_that_stops_reading_a_lane_answer_is_cut_off(tmp_path: Path) -> None:
+    with NodeProcess(tmp_path, server={"idle_timeout_s": 1.0}) as node:
+        conn, _ = laned(node.address)
+        keys = put(conn, 40)
+        stall(conn, keys)
+        wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, "the stall cut-off")
+        wait_for(lambda: server_stats(node.address)["lanes"] == 0, "the lane to end")
+        fresh, _ = laned(node.address)
+        check_get(fresh, keys[:4])
+        fresh.close()
+        conn.close()
+
+
+def test_a_node_stops_with_lanes_idle_and_stalled(tmp_path: Path) -> None:
+    node = NodeProcess(tmp_path, server={"drain_timeout_s": 1.0}).start()
+    try:
+        idle, _ = laned(node.address)
+        stalled, _ = laned(node.address)
+        stall(stalled, put(stalled, 40))
+        assert node.terminate(HANG_S) == 0
+        with pytest.raises((ConnectionError, OSError)):
+            idle.ping()
+        idle.close()
+        stalled.close()
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("lanes", [0, 1])
+def test_lane_connections_bounds_the_lanes(tmp_path: Path, lanes: int) -> None:
+    with NodeProcess(tmp_path, server={"lane_connections": lanes}) as node:
+        conns = [laned(node.address) for _ in range(2)]
+        for conn, keys in conns:  # on a lane or on the loop, the same answers
+            check_get(conn, keys)
+            assert conn.exists(NS, keys) == [True, True]
+        stats = server_stats(node.address)
+        assert stats.get("lanes_started", 0) == lanes and stats["lanes"] == lanes
+        for conn, _ in conns:
+            conn.close()
+
+
+def test_a_lane_socket_is_blocking_only_while_the_lane_owns_it(tmp_path: Path) -> None:
+    """Requests the lane hands to the event loop (NAMESPACE, EXISTS) interleave with the
+    PUTs and GETs it serves itself on one connection."""
+    with NodeProcess(tmp_path) as node:
+        conn, keys = laned(node.address)
+        for i in range(20):
+            keys += put(conn, 1)
+            check_get(conn, keys[-2:])
+            conn.declared.clear()  # declare again: NAMESPACE on the loop between GETs
+            assert conn.exists(NS, keys[i:i + 2]) == [True, True]
+        assert server_stats(node.address)["lanes_started"] == 1
+        conn.close()
+
+
+def test_acknowledged_lane_puts_survive_kill_9_of_a_durable_node(tmp_path: Path) -> None:
+    """A durable PUT on a lane is written and synced before its answer, as on the loop."""
+    node = NodeProcess(tmp_path, ssd={"durability": "durable", "capacity": "128MiB"}).start()
+    try:
+        conn, acked = laned(node.address)
+        acked += put(conn, 20)
+        assert conn.stats()["server"]["lanes_started"] == 1
+        node.kill9()  # right after the last answer
+        conn.close()
+        node.start()
+        fresh = NodeConnection(node.address)
+        for i in range(0, len(acked), 4):
+            check_get(fresh, acked[i:i + 4])
+        fresh.close()
+    finally:
+        node.stop()
