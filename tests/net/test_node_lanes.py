@@ -89,6 +89,9 @@ def test_every_op_on_a_lane_answers_as_on_the_loop(tmp_path: Path) -> None:
         with pytest.raises(RemoteError, match="not declared"):
             conn._request(Op.GET, 1, pack_keys(other.id, [keys[0]]))
             conn._answer(Op.GET, conn._req_id)
+        with pytest.raises(RemoteError, match="not declared"):  # a probe, on the lane too
+            conn._request(Op.EXISTS, 1, pack_keys(other.id, [keys[0]]))
+            conn._answer(Op.EXISTS, conn._req_id)
         with pytest.raises(RemoteError, match="not declared"):  # its payload is read away
             conn.call(Op.PUT, 2, pack_keys(other.id, keys[:2]),
                       [memoryview(payload_for(k, CHUNK)) for k in keys[:2]])
@@ -97,7 +100,7 @@ def test_every_op_on_a_lane_answers_as_on_the_loop(tmp_path: Path) -> None:
         check_get(conn, keys[4:6])  # the connection survived every refusal
         stats = conn.stats()["server"]
         assert stats["lanes_started"] == 1 and stats["refused_too_large"] == 1
-        assert stats["refused_unknown_namespace"] == 2
+        assert stats["refused_unknown_namespace"] == 3
         conn.close()
         wait_for(lambda: server_stats(node.address)["lanes"] == 0, "the lane to end")
 
@@ -170,8 +173,8 @@ def test_lane_connections_bounds_the_lanes(tmp_path: Path, lanes: int) -> None:
 
 
 def test_a_lane_socket_is_blocking_only_while_the_lane_owns_it(tmp_path: Path) -> None:
-    """Requests the lane hands to the event loop (NAMESPACE, EXISTS) interleave with the
-    PUTs and GETs it serves itself on one connection."""
+    """Requests the lane hands to the event loop (NAMESPACE, TOUCH) interleave with the
+    PUTs, GETs and probes it serves itself on one connection."""
     with NodeProcess(tmp_path) as node:
         conn, keys = laned(node.address)
         for i in range(20):
@@ -179,6 +182,7 @@ def test_a_lane_socket_is_blocking_only_while_the_lane_owns_it(tmp_path: Path) -
             check_get(conn, keys[-2:])
             conn.declared.clear()  # declare again: NAMESPACE on the loop between GETs
             assert conn.exists(NS, keys[i:i + 2]) == [True, True]
+            assert conn.touch(NS, keys[i:i + 2]) == 2  # on the loop
         assert server_stats(node.address)["lanes_started"] == 1
         conn.close()
 

@@ -8,8 +8,10 @@ wake-ups and an epoll round per receive; on a lane a GET is one blocking receive
 header, one of the keys and one ``sendmsg`` of the pinned views, with the GIL released in
 each. GETs and PUTs are served on the lane (``NodeStore.get_blocking``, ``begin_put_blocking``
 and ``commit_put_blocking``: lower-tier reads, waits for slots and durable syncs block only
-this connection); every other request is handed back to the event loop with the socket (made
-non-blocking again for the while), and answered there exactly as before.
+this connection), and so are the existence probes (``exists_now``, ``exists_prefix_now``:
+index lookups under the tiers' locks, which are never held across IO); every other request
+is handed back to the event loop with the socket (made non-blocking again for the while),
+and answered there exactly as before.
 
 Failure contract: the same as connection.py's. The sweeper cuts off an idle or stalled peer
 by shutting the socket down, which ends the lane's blocking call; bytes that are not a frame,
@@ -35,6 +37,7 @@ from kvpool.net.protocol import (
     Header,
     Op,
     answer_frame,
+    pack_flags,
     split_get_keys,
     split_keys,
     unpack_header,
@@ -96,6 +99,10 @@ class Lane:
                 return self._here(req, "get", started, self._get, meta)
             if op is Op.PUT:
                 return self._here(req, "put", started, self._put, meta)
+            if op is Op.EXISTS_PREFIX:
+                return self._here(req, "exists_prefix", started, self._exists_prefix, meta)
+            if op is Op.EXISTS:
+                return self._here(req, "exists", started, self._exists, meta)
         return self._on_loop(conn.answer(op, req, meta, started))
 
     def _on_loop(self, answer: Coroutine[Any, Any, bool]) -> bool:
@@ -150,6 +157,18 @@ class Lane:
         finally:
             batch.abort()
         self._send(answer_frame(req, count=stored))
+
+    def _exists_prefix(self, req: Header, meta: memoryview) -> None:
+        conn = self.conn
+        ns_id, keys = split_keys(meta, req.count)
+        self._send(answer_frame(req, count=conn.store.exists_prefix_now(conn.session, ns_id,
+                                                                        keys)))
+
+    def _exists(self, req: Header, meta: memoryview) -> None:
+        conn = self.conn
+        ns_id, keys = split_keys(meta, req.count)
+        held = conn.store.exists_now(conn.session, ns_id, keys)
+        self._send(answer_frame(req, count=sum(held), meta=pack_flags(held)))
 
     def _discard(self, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, DISCARD_BYTES)))
