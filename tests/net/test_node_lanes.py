@@ -7,7 +7,6 @@ server.lane_connections bounds them."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from kvtest import byte_namespace, payload_for
 from node_process import NodeProcess
+from test_concurrent_reads import wait_for
 
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import HEADER_BYTES, Op, RemoteError, pack_keys
@@ -23,14 +23,6 @@ MiB = 1 << 20
 CHUNK = MiB  # over the default offload_bytes (512 KiB)
 NS = byte_namespace(CHUNK, salt="lanes")
 HANG_S = 60.0  # only a hang detector
-
-
-def wait_for(check: Any, what: str) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def server_stats(address: str) -> dict[str, Any]:
