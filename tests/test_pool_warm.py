@@ -97,3 +97,19 @@ def test_newest_lists_the_last_written_records_in_write_order(tmp_path: Path) ->
         assert eng.newest(other.id, 1 << 30) == [k(999)]
     finally:
         eng.close()
+
+
+def test_a_namespace_registered_later_warms_only_free_dram(tmp_path: Path) -> None:
+    """A node or engine registering a namespace while another one fills DRAM: the warm-up
+    takes only the free slots, never evicting the busy namespace's chunks for old ones."""
+    busy, late = byte_namespace(salt="busy"), byte_namespace(salt="late")
+    theirs, old = [k(100 + i) for i in range(12)], [k(i) for i in range(N)]
+    cfg = saved(tmp_path, late, old)
+    with KVPool(cfg) as pool:
+        pool.register_namespace(busy)
+        assert pool.put_many(busy, theirs, [payload_for(x) for x in theirs]) == 12
+        pool.register_namespace(late)  # 4 of DRAM's 16 slots are free; half would be 8
+        assert pool.flush(10)
+        assert pool.stats()["pool"]["warmed"] == 4
+        assert in_dram(pool, busy, theirs) == [True] * 12
+        assert in_dram(pool, late, old) == [False] * (N - 4) + [True] * 4

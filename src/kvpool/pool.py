@@ -162,13 +162,17 @@ class KVPool:
 
     def _warm(self, ns: Namespace) -> None:
         """Queue the move of the namespace's newest SSD chunks up into DRAM, within
-        ``pool.warm_start_fraction`` of its capacity (see that knob); a no-op without DRAM,
-        SSD or mover. Never raises: the move's faults are misses, as a prefetch's."""
+        ``pool.warm_start_fraction`` of its capacity and within what DRAM has free (a
+        namespace registered while others fill DRAM never evicts their chunks for its old
+        ones); a no-op without DRAM, SSD or mover. Never raises: the move's faults are
+        misses, as a prefetch's."""
         fraction = self.config.pool.warm_start_fraction
         ssd = next((t for t in self._tiers if isinstance(t, SsdTier)), None)
-        if self._mover is None or self._front is None or ssd is None or fraction <= 0:
+        front = self._front
+        if self._mover is None or front is None or ssd is None or fraction <= 0:
             return
-        keys = ssd.engine.newest(ns.id, int(fraction * self._front.capacity))
+        free = front.capacity - int(front.stats()["used_bytes"])
+        keys = ssd.engine.newest(ns.id, min(int(fraction * front.capacity), free))
         if keys:
             self._mover.submit(ns, keys, "warmed", "warm_skipped", False)
 
