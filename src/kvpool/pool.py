@@ -42,7 +42,6 @@ from kvpool.metrics.recorder import OpLatency
 from kvpool.mover import Mover
 from kvpool.tiers.base import leading_run, read_tiers
 from kvpool.tiers.slots import PinnedView, SlotReservation
-from kvpool.tiers.ssd import SsdTier
 from kvpool.tiers.stack import build_tiers
 
 
@@ -164,11 +163,10 @@ class KVPool:
         """Queue the move of the namespace's newest SSD chunks up into DRAM, within
         ``pool.warm_start_fraction`` of its capacity and within what DRAM has free (a
         namespace registered while others fill DRAM never evicts their chunks for its old
-        ones); a no-op without DRAM, SSD or mover. Never raises: the move's faults are
-        misses, as a prefetch's."""
+        ones); a no-op without DRAM, SSD or mover. The move's faults are misses, as a
+        prefetch's; raises PoolClosedError only if the pool closes meanwhile."""
         fraction = self.config.pool.warm_start_fraction
-        ssd = next((t for t in self._tiers if isinstance(t, SsdTier)), None)
-        front = self._front
+        ssd, front = self._stack.ssd, self._front
         if self._mover is None or front is None or ssd is None or fraction <= 0:
             return
         free = front.capacity - int(front.stats()["used_bytes"])

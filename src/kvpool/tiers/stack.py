@@ -63,6 +63,8 @@ class TierStack:
     through: list[Tier] = field(default_factory=list)
     #: For durable puts: the tier whose write decides a put's answer.
     ack: Tier | None = None
+    #: The local SSD tier (None without one): what a warm start reads DRAM's chunks from.
+    ssd: SsdTier | None = None
     #: With ``pool.ssd_write: evict``: the SSD that ``close`` writes DRAM-only chunks to.
     drain_to: SsdTier | None = None
     #: How long ``close`` may spend on that (``pool.close_drain_s``).
@@ -133,7 +135,7 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
     ssd_staging: WriteBehind | None = None
     try:
         if cfg.ssd.enabled:
-            ssd = SsdTier(SsdEngine.from_config(cfg))
+            ssd = stack.ssd = SsdTier(SsdEngine.from_config(cfg))
             ssd_staging = WriteBehind(ssd.engine, cfg.pool.write_behind_bytes,
                                       cfg.pool.write_behind_batch,
                                       nice=cfg.pool.background_nice)
