@@ -13,7 +13,8 @@ from kvpool.bench.remote import RemotePlan, run_remote_bench
 
 KiB = 1024
 TINY = RemotePlan(sizes=(64 * KiB, 256 * KiB), repeats=2, pass_bytes=1 << 20, min_chunks=4,
-                  exists_keys=512, exists_calls=20, headline_size=256 * KiB)
+                  thread_pass_bytes=2 << 20, exists_keys=512, exists_calls=20,
+                  headline_size=256 * KiB)
 
 
 def _positive(x: object) -> bool:
@@ -39,6 +40,17 @@ def test_tiny_remote_bench_reports_every_ratio() -> None:
                     assert f"{op}/{size}/{t}t/{ref}" in ids
     assert len(rows) == len(ids)
     assert data["info"]["redis"]
+    for case in data["cases"]:  # a 4-thread pass moves thread_pass_bytes a thread
+        threads, size = case["threads"], case["chunk_bytes"]
+        assert case["kvpool"]["items_per_pass"] == TINY.ops(size, threads), case["id"]
+
+
+def test_a_pass_of_several_threads_moves_thread_pass_bytes_a_thread() -> None:
+    quick = RemotePlan.quick_plan()
+    assert quick.ops(2 << 20, 1) == quick.chunks(2 << 20) == 16
+    assert quick.ops(2 << 20, 4) == 4 * 16  # 32 MiB a thread, not 4 GETs
+    assert quick.ops(16 << 20, 4) == 8  # never fewer than every stored chunk once
+    assert RemotePlan().ops(256 * KiB, 4) == 4 * 256
 
 
 def test_plan_options_pick_sizes_pass_bytes_and_lookups() -> None:

@@ -62,6 +62,10 @@ class RemotePlan:
     threads: tuple[int, ...] = (1, 4)
     repeats: int = 5
     pass_bytes: int = 128 * MiB
+    #: With several threads, each thread moves at least this much per pass (ops cycle over
+    #: the stored chunks): four 2 MiB GETs a thread time thread start-up and one time slice,
+    #: not the store.
+    thread_pass_bytes: int = 64 * MiB
     min_chunks: int = 8
     exists_keys: int = 512
     exists_calls: int = 400
@@ -72,10 +76,19 @@ class RemotePlan:
 
     @classmethod
     def quick_plan(cls) -> RemotePlan:
-        return cls(repeats=3, pass_bytes=32 * MiB, exists_calls=150, quick=True)
+        return cls(repeats=3, pass_bytes=32 * MiB, thread_pass_bytes=32 * MiB,
+                   exists_calls=150, quick=True)
 
     def chunks(self, size: int) -> int:
+        """Chunks stored per size (a 1-thread pass moves each once)."""
         return max(self.min_chunks, self.pass_bytes // size)
+
+    def ops(self, size: int, threads: int) -> int:
+        """Ops in one pass of ``threads`` threads: every stored chunk once and, with several
+        threads, at least ``thread_pass_bytes`` per thread."""
+        if threads <= 1:
+            return self.chunks(size)
+        return max(self.chunks(size), threads * -(-self.thread_pass_bytes // size))
 
 
 @dataclass
@@ -127,16 +140,17 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
     outs = [np.zeros(size, np.uint8) for _ in range(max(plan.threads))]
     out_views = [byte_view(o, writable=True) for o in outs]
 
+    # A pass's op i reads stored chunk i % n (every system the same chunk).
     def kv_get(t: int, i: int) -> bool:
-        return sys_.kv.get_many_into(ns, [get_keys[i]], [out_views[t]])[0]
+        return sys_.kv.get_many_into(ns, [get_keys[i % n]], [out_views[t]])[0]
 
     def raw_get(t: int, i: int) -> bool:
-        return sys_.raw[t].get_into(i, out_views[t])
+        return sys_.raw[t].get_into(i % n, out_views[t])
 
     redis: Any = sys_.redis
 
     def redis_get(t: int, i: int) -> bool:
-        value = redis.get(rkeys[i])
+        value = redis.get(rkeys[i % n])
         if value is None:
             return False
         out_views[t][:] = value
@@ -145,15 +159,16 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
     for threads in plan.threads:
         timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
         ops = {"kvpool": kv_get, "raw": raw_get, "redis": redis_get}
+        pass_items = list(range(plan.ops(size, threads)))
         for _ in range(plan.repeats):
             for name, op in ops.items():
                 if name == "redis" and sys_.redis is None:
                     continue
-                timings[name].add(run_pass(op, items, threads))
+                timings[name].add(run_pass(op, pass_items, threads))
                 if name != "raw":
-                    for t, part in enumerate(split(items, threads)):
+                    for t, part in enumerate(split(pass_items, threads)):
                         if part:
-                            _verify(f"{name} get", outs[t], data[part[-1] % distinct])
+                            _verify(f"{name} get", outs[t], data[part[-1] % n % distinct])
         _add_rows(rows, "get", size, threads, timings, log)
 
     put_pass = [0]
@@ -166,7 +181,7 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
         return sys_.kv.put_many([(key, ns, views[i % distinct])]) == 1
 
     def raw_put(t: int, i: int) -> bool:
-        return sys_.raw[t].put(n + i, views[i % distinct])
+        return sys_.raw[t].put(n + i % n, views[i % distinct])
 
     def redis_put(t: int, i: int) -> bool:
         return bool(redis.set(b"p" + fresh(put_pass[0], i), views[i % distinct]))
@@ -174,6 +189,7 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
     for threads in plan.threads:
         timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
         ops = {"kvpool": kv_put, "raw": raw_put, "redis": redis_put}
+        pass_items = list(range(plan.ops(size, threads)))
         for _ in range(plan.repeats):
             put_pass[0] += 1
             for name, op in ops.items():
@@ -181,7 +197,7 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
                     if sys_.redis is None:
                         continue
                     sys_.redis.flushall()  # untimed: Redis holds only this pass's chunks
-                timings[name].add(run_pass(op, items, threads))
+                timings[name].add(run_pass(op, pass_items, threads))
         _add_rows(rows, "put", size, threads, timings, log)
     if sys_.redis is not None:
         sys_.redis.flushall()
