@@ -157,7 +157,7 @@ class Namespace:
         """64-bit id of the layout alone, written into every record header."""
         return int(xxhash.xxh3_64_intdigest(canonical_json(asdict(self.layout))))
 
-    @property
+    @cached_property
     def chunk_bytes(self) -> int:
         return self.layout.chunk_bytes
 

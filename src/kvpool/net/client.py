@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvpool.buffers import byte_view
+from kvpool.checks import check_keys
 from kvpool.cluster.etcd_membership import EtcdMembership
 from kvpool.cluster.membership import Membership, StaticMembership
 from kvpool.config import ClusterConfig
@@ -41,7 +42,7 @@ from kvpool.counters import Counters
 from kvpool.errors import ChunkSizeError
 from kvpool.keys import Namespace
 from kvpool.net.connection import NodeConnection, NodePool
-from kvpool.net.placement import check_keys, holders, replicas
+from kvpool.net.placement import holders, replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
 from kvpool.net.touch import ReplicaToucher
 
@@ -128,9 +129,14 @@ class ClusterClient:
             pool = self._pools.get(node_id)
         if pool is None:
             return None
-        try:
-            with pool.connection() as conn:
+        try:  # take / give_back rather than a generator context manager: per-request path
+            conn = pool.take()
+            try:
                 result = fn(conn)
+            except BaseException:
+                conn.close()
+                raise
+            pool.give_back(conn)
         except AuthError:
             raise
         except RemoteError as exc:
@@ -140,8 +146,9 @@ class ClusterClient:
         except (OSError, ProtocolError) as exc:  # timeouts and refused connects are OSErrors
             self._mark_down(node_id, exc)
             return None
-        with self._lock:
-            self._down_until.pop(node_id, None)
+        if node_id in self._down_until:  # a probe that succeeded: the node is back
+            with self._lock:
+                self._down_until.pop(node_id, None)
         return result
 
     def _safe(self, node_id: str, fn: Callable[[NodeConnection], T]) -> T | None:
@@ -250,8 +257,7 @@ class ClusterClient:
                 for i, hit in zip(per_node[node_id], got, strict=True):
                     found[i] = hit
         hits = sum(found)
-        self._counters.add("get_hits", hits)
-        self._counters.add("get_misses", len(keys) - hits)
+        self._counters.add_many({"get_hits": hits, "get_misses": len(keys) - hits})
         return found
 
     # ------------------------------------------------------------------ writes
@@ -361,6 +367,8 @@ def _batches(ns: Namespace, n: int, batch_bytes: int) -> list[slice]:
 def _get_job(ns: Namespace, keys: list[bytes], views: list[memoryview], touch: list[bytes],
              batch_bytes: int) -> Callable[[NodeConnection], list[bool]]:
     """The first batch carries the node's touch keys."""
+    if len(keys) * ns.chunk_bytes <= batch_bytes or len(keys) == 1:  # one request
+        return lambda c: c.get_into(ns, keys, views, touch)
     return lambda c: [hit for j, b in enumerate(_batches(ns, len(keys), batch_bytes))
                       for hit in c.get_into(ns, keys[b], views[b], touch if j == 0 else ())]
 
