@@ -23,12 +23,20 @@ def check_key(key: bytes, what: str = "key") -> None:
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
+    """Raises ArgumentError unless ``keys`` is a sequence of ``bytes`` keys of KEY_BYTES
+    each, naming the first bad one. Every call of the pool's API checks its keys: a batch of
+    good keys is checked in C (two passes of map), anything else key by key."""
     if isinstance(keys, bytes | bytearray | memoryview | str) or not isinstance(keys, Sequence):
         raise ArgumentError(f"keys must be a sequence of {KEY_BYTES}-byte chunk keys "
                             f"(e.g. ns.chunk_keys(tokens)), got {type(keys).__name__}")
+    if set(map(type, keys)) <= _BYTES_ONLY and set(map(len, keys)) <= _KEY_LENGTH:
+        return
     for i, key in enumerate(keys):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             check_key(key, f"keys[{i}]")
+
+
+_BYTES_ONLY, _KEY_LENGTH = frozenset({bytes}), frozenset({KEY_BYTES})
 
 
 def check_same_length(keys: Sequence[bytes], others: Sequence[object], what: str) -> None:

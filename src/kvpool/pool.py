@@ -379,9 +379,12 @@ class KVPool:
         """Per key: does a tier know, in this process, that it holds it? Each tier is asked
         once for the keys the faster ones lack. ``stop_at_miss``: only the leading run
         matters (a lookup), so the answer is cut at the first key no tier holds."""
-        held = [False] * len(keys)
-        todo = list(range(len(keys)))
-        for tier in self._tiers:
+        if not self._tiers:
+            return [] if stop_at_miss else [False] * len(keys)
+        first, *slower = self._tiers
+        held = list(first.contains_many(keys, ns_id))  # the common probe: one tier has all
+        todo = [i for i, flag in enumerate(held) if not flag] if slower else []
+        for tier in slower:
             if not todo:
                 break
             flags = tier.contains_many([keys[i] for i in todo], ns_id)

@@ -174,6 +174,20 @@ def test_node_killed_with_sigkill_serves_its_ssd_data_after_restart(node: NodePr
     client.close()
 
 
+def test_a_served_node_keeps_its_startup_heap_out_of_garbage_collections(
+        node: NodeProcess) -> None:
+    """``kvpool serve`` freezes what it built at start (~45k objects: modules, config, tiers),
+    so no full collection pauses requests to scan them; it still serves afterwards."""
+    client = client_for(node)
+    ns, keys = stored(client, "", 4)
+    found, outs = fetch(client, ns, keys)
+    assert found == [True] * 4
+    assert all(np.array_equal(o, payload_for(k, CHUNK)) for k, o in zip(keys, outs, strict=True))
+    stats = next(iter(client.node_stats().values()))
+    assert stats is not None and stats["server"]["gc_frozen_objects"] > 10_000
+    client.close()
+
+
 def test_sigterm_drains_write_behind_before_exit(node: NodeProcess) -> None:
     client = client_for(node)
     ns, keys = stored(client, "", 120)  # 30 MiB queued for the SSD

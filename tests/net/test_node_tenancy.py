@@ -52,7 +52,7 @@ def test_stats_answer_a_tenant_with_its_own_figures_and_the_admin_with_the_node(
     mine = acme.stats()
     assert set(mine) == {"server", "tenants", "namespaces"}
     assert [n["tenant"] for n in mine["namespaces"]] == ["acme"]
-    assert set(mine["server"]) == {"node_id", "version", "uptime_s"}
+    assert set(mine["server"]) == {"node_id", "version", "uptime_s", "gc_frozen_objects"}
     assert set(mine["tenants"]) == {"acme"}
     figures = mine["tenants"]["acme"]
     assert (figures["put_chunks"], figures["put_bytes"]) == (3, 3 * CHUNK)

@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 from tests_support import KEYS
 
+from kvpool.checks import check_keys
 from kvpool.keys import Namespace
-from kvpool.net.placement import check_keys, holders, replicas
+from kvpool.net.placement import holders, replicas
 from kvpool.net.protocol import (
     HEADER_BYTES,
     AuthError,

@@ -10,7 +10,6 @@ addresses. Scores are computed for a whole batch of keys at once with numpy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -69,21 +68,11 @@ def _score_int(key: bytes, seed: int) -> int:
 SMALL_BATCH = 48
 
 
-def check_keys(keys: Sequence[Any]) -> None:
-    """Raises ValueError unless every key is ``bytes`` of KEY_BYTES (a batch of exact bytes
-    keys is checked in C; anything else key by key)."""
-    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
-        return
-    for key in keys:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(f"chunk key must be {KEY_BYTES} bytes")
-
-
 def holders(node_ids: Sequence[str], keys: Sequence[bytes],
             count: int) -> dict[str, list[int] | None]:
     """For each node holding some of ``keys`` (as ``replicas`` places them), the indices of
     the keys it holds, in order; None where it holds every key (R covers all the nodes: no
-    per-key work at all). Keys are not checked (see check_keys)."""
+    per-key work at all). Keys are not checked (see kvpool.checks.check_keys)."""
     if not node_ids or not keys:
         return {}
     ids = sorted(node_ids)

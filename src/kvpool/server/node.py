@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -271,9 +272,22 @@ def run(config: Config) -> int:
     configure_logging(config.log)
     raise_fd_limit(log)
     node = StorageNode(config)
+    freeze_startup_heap()
     try:
         import uvloop
         uvloop.run(node.serve())
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         asyncio.run(node.serve())
     return 0
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now (modules, classes, the config, the tiers and what SSD
+    recovery indexed) out of reach of the cyclic garbage collector: a full collection then
+    scans only what the node allocated since. On the 2-core VM a node's startup heap is
+    ~45,000 tracked objects, and every full collection that scans it pauses all requests for
+    10-30 ms. Frozen objects are still freed by reference counting; only garbage cycles among
+    them would outlive the process. Returns how many objects are frozen; never raises."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -35,6 +35,7 @@ counters, the tenants' included, take locks; the pool is thread-safe).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -436,7 +437,8 @@ class NodeStore:
     # ------------------------------------------------------------------ stats
     def _identity(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "version": __version__,
-                "uptime_s": round(time.time() - self.started, 1)}
+                "uptime_s": round(time.time() - self.started, 1),
+                "gc_frozen_objects": gc.get_freeze_count()}
 
     def _tenant_table(self, tenants: frozenset[str]) -> dict[str, dict[str, int]]:
         connections: dict[str, int] = {}

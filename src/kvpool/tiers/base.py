@@ -90,10 +90,10 @@ class DemotionSink(Protocol):
 
 def leading_run(flags: Sequence[bool]) -> int:
     """Index of the first False (len(flags) if none)."""
-    for i, flag in enumerate(flags):
-        if not flag:
-            return i
-    return len(flags)
+    try:
+        return flags.index(False)  # in C: a 512-key probe is one call, not a loop
+    except ValueError:
+        return len(flags)
 
 
 def local_lookup(contains_many: Callable[[Sequence[bytes], bytes], list[bool]],
