@@ -146,6 +146,35 @@ def test_slab_is_stolen_for_a_new_size_class() -> None:
     assert stats["used_bytes"] <= 2 * SLAB
 
 
+def test_a_slab_with_a_slot_still_being_filled_is_never_stolen() -> None:
+    """A reserved slot (a promotion, a warm start or a network receive filling it in place)
+    is neither a resident nor free: stealing its slab would hand the same memory to a chunk
+    of another size, and the reservation's commit would then publish another chunk's bytes
+    (found by the pool's differential test, a warm start racing the puts)."""
+    small, big = byte_namespace(CHUNK), byte_namespace(2 * CHUNK, model="big")
+    rec = Recorder()
+    tier = DramTier(2 * SLAB, SLAB, "lru", demote=rec)
+    slot = tier.reserve(k(50), small, CHUNK)  # the first slab's first slot, being filled
+    assert slot is not None and not isinstance(slot, bool)
+    for i in range(7):  # both slabs to the small class: 7 residents beside the reservation
+        tier.put(k(i), small, payload_for(k(i)))
+    # A big chunk needs a slab: only the one without the reservation may be stolen.
+    assert tier.put(k(100), big, payload_for(k(100), 2 * CHUNK))
+    slot.view[:] = payload_for(k(50))
+    assert slot.commit()
+    for i in range(101, 104):  # fill the big class's slab: no slot may be the reserved one
+        tier.put(k(i), big, payload_for(k(i), 2 * CHUNK))
+    out, big_out = np.zeros(CHUNK, np.uint8), np.zeros(2 * CHUNK, np.uint8)
+    assert tier.get_into(k(50), out) and np.array_equal(out, payload_for(k(50)))
+    for i in range(100, 104):
+        if tier.get_into(k(i), big_out):
+            assert np.array_equal(big_out, payload_for(k(i), 2 * CHUNK)), i
+    for i in range(7):
+        if tier.get_into(k(i), out):
+            assert np.array_equal(out, payload_for(k(i))), i
+    assert rec.bad == 0
+
+
 def test_an_emptied_size_class_gives_its_slabs_to_a_growing_one() -> None:
     small, big = byte_namespace(CHUNK), byte_namespace(2 * CHUNK, model="big")
     rec = Recorder()

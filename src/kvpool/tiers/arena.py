@@ -113,6 +113,12 @@ class SlotArena:
         cls.slabs.append(slab)
         cls.free.extend(range(slab + (per - 1) * cls.slot_size, slab - 1, -cls.slot_size))
 
+    def slots_taken(self, cls: SizeClass, slab: int) -> int:
+        """How many of ``slab``'s slots in ``cls`` are not on the free list: residents, and
+        slots reserved or handed to a writer that are not published yet."""
+        end = slab + self.slab_size
+        return self.slab_size // cls.slot_size - sum(1 for o in cls.free if slab <= o < end)
+
     def take_slab(self, cls: SizeClass, slab: int) -> None:
         """Remove an (entirely free) slab from a class; its slots must all be on the free list."""
         end = slab + self.slab_size

@@ -184,7 +184,10 @@ class DramTier:
 
     def _steal_slab_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]]) -> bool:
         """Move one slab from the size class holding the most slabs to ``slot_size``, evicting
-        the residents of the slab; False if no slab can be freed now (pinned residents)."""
+        the residents of the slab; False if no slab can be freed now. A slab is busy while a
+        resident is pinned or any other slot of it is taken: a reservation being filled (a
+        receive, a promotion, a warm start), a victim's slot handed to a writer, a doomed
+        slot still pinned. Stealing it then would give that memory to two chunks."""
         donors = sorted((c for s, c in self._arena.classes.items() if s != slot_size and c.slabs),
                         key=lambda c: len(c.slabs), reverse=True)
         for donor in donors:
@@ -192,10 +195,8 @@ class DramTier:
                 residents = [(k, e) for k, e in self._entries.items()
                              if e.slot_size == donor.slot_size
                              and self._arena.slab_of(e.offset) == slab]
-                busy = any(e.pins for _, e in residents) or any(
-                    e.slot_size == donor.slot_size and self._arena.slab_of(e.offset) == slab
-                    for e in self._doomed.values())
-                if busy:
+                if (any(e.pins for _, e in residents)
+                        or self._arena.slots_taken(donor, slab) != len(residents)):
                     continue
                 for key, entry in residents:
                     del self._entries[key]
