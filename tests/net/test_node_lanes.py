@@ -195,3 +195,48 @@ def test_acknowledged_lane_puts_survive_kill_9_of_a_durable_node(tmp_path: Path)
         fresh.close()
     finally:
         node.stop()
+
+
+def _read_answer(conn: NodeConnection) -> tuple[Any, bytes, bytes]:
+    """One answer frame off the raw socket: (header, metadata, payload)."""
+    from kvpool.net.protocol import unpack_header
+
+    def exact(n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            part = conn.sock.recv(n - len(buf))
+            assert part, "the node closed the connection"
+            buf += part
+        return bytes(buf)
+
+    head = unpack_header(exact(HEADER_BYTES))
+    return head, exact(head.meta_len), exact(head.payload_len)
+
+
+def test_pipelined_frames_on_a_lane_are_each_answered_in_order(tmp_path: Path) -> None:
+    """A lane receives a request's header, keys and the start of its payload in one receive:
+    whatever came with them (the next requests, sent before any answer) is kept for the next
+    read, also across an op the event loop answers (PING), and a PUT's payload is whole."""
+    from kvpool.net.protocol import Header
+
+    with NodeProcess(tmp_path, dram={"capacity": "16MiB", "slab_size": "4MiB"},
+                     ssd={"enabled": False}) as node:
+        conn, first = laned(node.address)
+        key = os.urandom(16)
+        frames = [Header(Op.PUT, 901, 1, 32, CHUNK).pack() + pack_keys(NS.id, [key])
+                  + payload_for(key, CHUNK).tobytes(),
+                  Header(Op.PING, 902, 0, 0, 0).pack(),
+                  Header(Op.GET, 903, 2, 48, 0).pack() + pack_keys(NS.id, [key, first[0]]),
+                  Header(Op.EXISTS, 904, 2, 48, 0).pack() + pack_keys(NS.id, [first[1], key])]
+        conn.sock.sendall(b"".join(frames))
+        answers = [_read_answer(conn) for _ in frames]
+        assert [h.req_id for h, _m, _p in answers] == [901, 902, 903, 904]
+        assert all(h.status == 0 for h, _m, _p in answers)
+        assert answers[0][0].count == 1  # stored
+        got = answers[2]
+        assert got[1] == b"\x01\x01" and got[2] == (payload_for(key, CHUNK).tobytes()
+                                                   + payload_for(first[0], CHUNK).tobytes())
+        assert answers[3][1] == b"\x01\x01"
+        check_get(conn, [key, *first])  # the connection is still in step
+        assert server_stats(node.address)["lanes_started"] == 1
+        conn.close()

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
     from kvpool.server.connection import Connection
 
 
+#: The lane's receive buffer: a request's header and up to ~1,000 keys in one receive.
+INBOX_BYTES = 16 << 10
+
+
 class Lane:
     """Serves ``conn`` on a lane thread until the peer leaves, a request ends the connection
     or the node drains. The caller has taken the lane (``Traffic.take_lane``); ``run`` gives
@@ -57,6 +61,10 @@ class Lane:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.sock = conn.sock
+        # Received bytes not yet consumed: a request's header and keys arrive together, so
+        # one receive into here serves both (one syscall a request, not two).
+        self._inbox = memoryview(bytearray(INBOX_BYTES))
+        self._have = self._used = 0
 
     async def run(self) -> None:
         """Serve on a lane thread and wait for it; raises what serving raised."""
@@ -178,13 +186,26 @@ class Lane:
             nbytes -= part.nbytes
 
     def _recv(self, view: memoryview) -> None:
-        """Fill ``view``; raises ConnectionError on EOF (or a socket the sweeper shut)."""
-        got = 0
+        """Fill ``view``: first from the inbox, then, for what is left, one receive of up to
+        INBOX_BYTES into the inbox when that is small (a header, keys: whatever else came
+        with them stays there for the next call), or straight into ``view`` when it is large
+        (a payload). Raises ConnectionError on EOF (or a socket the sweeper shut)."""
+        got = min(view.nbytes, self._have - self._used)
+        if got:
+            view[:got] = self._inbox[self._used:self._used + got]
+            self._used += got
         while got < view.nbytes:
-            n = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            want = view.nbytes - got
+            if want < INBOX_BYTES:
+                n = self.sock.recv_into(self._inbox, INBOX_BYTES)
+                take = min(n, want)
+                view[got:got + take] = self._inbox[:take]
+                self._have, self._used = n, take
+            else:
+                n = take = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
             if n == 0:
                 raise ConnectionError("peer closed the connection")
-            got += n
+            got += take
             self.conn.last_io = time.monotonic()
 
     def _send(self, buffers: Sequence[bytes | memoryview]) -> None:
