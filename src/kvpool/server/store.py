@@ -250,7 +250,8 @@ class NodeStore:
         ns = session.namespaces.get(ns_id)
         if ns is None:
             raise _unknown(ns_id)
-        self._count_tenant(ns.tenant, "requests")
+        if self.auth.enabled:  # (ns.tenant splits a string: not per request without auth)
+            self._count_tenant(ns.tenant, "requests")
         return ns
 
     def _scoped(self, session: Session, ns_id: bytes,
@@ -429,10 +430,13 @@ class NodeStore:
         views = [p for p in payload if p is not None]
         hits, misses = len(views), len(scoped) - len(views)
         self.counters.add_many({"get_hits": hits, "get_misses": misses})
-        self._count_tenant(ns.tenant, "get_hits", hits)
-        self._count_tenant(ns.tenant, "get_misses", misses)
-        self._count_tenant(ns.tenant, "get_bytes", hits * ns.chunk_bytes)
-        return GetAnswer(bytes(p is not None for p in payload), views, pins)
+        if self.auth.enabled:
+            tenant = ns.tenant
+            self._count_tenant(tenant, "get_hits", hits)
+            self._count_tenant(tenant, "get_misses", misses)
+            self._count_tenant(tenant, "get_bytes", hits * ns.chunk_bytes)
+        flags = b"\x01" * hits if not misses else bytes(p is not None for p in payload)
+        return GetAnswer(flags, views, pins)
 
     # ------------------------------------------------------------------ stats
     def _identity(self) -> dict[str, Any]:
