@@ -5,6 +5,8 @@ Imported as ``from kvtest import ...`` (several test folders have their own conf
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +114,13 @@ def load_script(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll ``predicate()`` every 20 ms until it is true; AssertionError naming ``what``
+    after ``timeout_s`` (a hang detector: callers give generous deadlines)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.02)

@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvtest import wait_for
 from node_process import NodeProcess
 
 from kvpool.config import ClusterConfig
 from kvpool.keys import Namespace
 from kvpool.net.client import ClusterClient
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def pause(proc: NodeProcess) -> None:

@@ -7,14 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, child_env, payload_for
+from kvtest import byte_namespace, child_env, payload_for, wait_for
 from node_process import NodeProcess
 
 from kvpool.cluster.etcd import EtcdClient
@@ -29,12 +28,6 @@ CHUNK = 16 * 1024
 IDS = ["node-0", "node-1", "node-2"]
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout_s} s: {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

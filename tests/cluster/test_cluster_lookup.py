@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, payload_for
-from node_faults import NodeSet, node_set, pause, wait_for
+from kvtest import byte_namespace, payload_for, wait_for
+from node_faults import NodeSet, node_set, pause
 
 from kvpool.net.client import ClusterClient
 from kvpool.net.placement import replicas

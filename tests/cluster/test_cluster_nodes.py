@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, payload_for
+from kvtest import byte_namespace, payload_for, wait_for
 from node_process import NodeProcess
 
 from kvpool.cluster.etcd_membership import EtcdMembership
@@ -26,13 +26,6 @@ TTL = 2.0
 NS = byte_namespace(CHUNK, salt="cluster-test")
 
 
-def wait_for(predicate: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from etcd_fixture import EtcdServer, free_port
+from kvtest import wait_for
 
 from kvpool.cluster import (
     EtcdClient,
@@ -31,13 +32,6 @@ from kvpool.errors import KVPoolError
 REGISTRANT = Path(__file__).with_name("registrant.py")
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll until ``predicate()`` holds; fail naming ``what`` after a generous deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout_s} s: {what}")
-        time.sleep(0.02)
 
 
 def ids(nodes: list[NodeInfo]) -> list[str]:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, payload_for
+from kvtest import byte_namespace, payload_for, wait_for
 from node_process import NodeProcess
 
 from kvpool.config import ClusterConfig
@@ -25,12 +23,6 @@ THREADS = 4
 HANG_S = 60.0  # only a hang detector: every wait below ends long before it
 
 
-def wait_for(check: Any, what: str) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def stored(client: ClusterClient, chunk: int, n: int) -> tuple[Namespace, list[bytes]]:
@@ -90,7 +82,7 @@ def test_threads_sharing_a_client_each_get_their_own_bytes(node: NodeProcess) ->
     client = ClusterClient(ClusterConfig(nodes=[node.address], connections_per_node=THREADS))
     ns, keys = stored(client, 512 * 1024, 12)
     readers = Readers(client, ns, keys, absent=os.urandom(16))
-    wait_for(lambda: min(readers.hits) >= 30, "every thread to read 30 chunks")
+    wait_for(lambda: min(readers.hits) >= 30, HANG_S, "every thread to read 30 chunks")
     readers.join()
     assert not readers.errors and not readers.wrong
     assert sum(readers.misses) == 0
@@ -108,16 +100,16 @@ def test_a_paused_node_is_a_miss_for_every_reading_thread(tmp_path: Path) -> Non
     try:
         ns, keys = stored(client, chunk, 8)
         readers = Readers(client, ns, keys)
-        wait_for(lambda: min(readers.hits) >= 3, "every thread to read")
+        wait_for(lambda: min(readers.hits) >= 3, HANG_S, "every thread to read")
         os.kill(node.proc.pid, signal.SIGSTOP)
         misses = list(readers.misses)
         wait_for(lambda: all(m > b for m, b in zip(readers.misses, misses, strict=True)),
-                 "a miss on every thread after the pause")
+                 HANG_S, "a miss on every thread after the pause")
         assert client.stats()["node_failures"] >= 1
         os.kill(node.proc.pid, signal.SIGCONT)
         hits = list(readers.hits)
         wait_for(lambda: all(h > b for h, b in zip(readers.hits, hits, strict=True)),
-                 "every thread to read again once the node resumes")
+                 HANG_S, "every thread to read again once the node resumes")
         readers.join()
         assert not readers.errors and not readers.wrong
     finally:

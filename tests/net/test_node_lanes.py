@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, payload_for
+from kvtest import byte_namespace, payload_for, wait_for
 from node_process import NodeProcess
-from test_concurrent_reads import wait_for
 
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import HEADER_BYTES, Op, RemoteError, pack_keys
@@ -94,7 +93,7 @@ def test_every_op_on_a_lane_answers_as_on_the_loop(tmp_path: Path) -> None:
         assert stats["lanes_started"] == 1 and stats["refused_too_large"] == 1
         assert stats["refused_unknown_namespace"] == 3
         conn.close()
-        wait_for(lambda: server_stats(node.address)["lanes"] == 0, "the lane to end")
+        wait_for(lambda: server_stats(node.address)["lanes"] == 0, HANG_S, "the lane to end")
 
 
 def test_an_idle_lane_is_cut_off_and_a_bad_frame_closes_only_its_connection(
@@ -104,12 +103,13 @@ def test_an_idle_lane_is_cut_off_and_a_bad_frame_closes_only_its_connection(
         bad, _ = laned(node.address)
         bad.sock.sendall(b"\xff" * HEADER_BYTES)  # not a frame
         assert bad.sock.recv(16) == b""  # closed by the node
-        wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, "the idle cut-off")
+        wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, HANG_S,
+                 "the idle cut-off")
         with pytest.raises((ConnectionError, OSError)):
             idle.ping()
         stats = server_stats(node.address)
         assert stats["protocol_errors"] == 1 and stats["lanes_started"] == 2
-        wait_for(lambda: server_stats(node.address)["lanes"] == 0, "both lanes to end")
+        wait_for(lambda: server_stats(node.address)["lanes"] == 0, HANG_S, "both lanes to end")
         conn, keys = laned(node.address)  # the node serves new lanes
         check_get(conn, keys)
         conn.close()
@@ -128,8 +128,9 @@ def test_a_peer_that_stops_reading_a_lane_answer_is_cut_off(tmp_path: Path) -> N
         conn, _ = laned(node.address)
         keys = put(conn, 40)
         stall(conn, keys)
-        wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, "the stall cut-off")
-        wait_for(lambda: server_stats(node.address)["lanes"] == 0, "the lane to end")
+        wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, HANG_S,
+                 "the stall cut-off")
+        wait_for(lambda: server_stats(node.address)["lanes"] == 0, HANG_S, "the lane to end")
         fresh, _ = laned(node.address)
         check_get(fresh, keys[:4])
         fresh.close()
