@@ -169,9 +169,13 @@ class NodeStore:
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _count_tenant(self, tenant: str, name: str, n: int = 1) -> None:
+    def _count_tenant(self, ns: Namespace, **counts: int) -> None:
+        """Add ``counts`` to the tenant of ``ns``: only with auth on (``ns.tenant`` splits
+        a string, not worth doing per request when nothing reads the counts)."""
         if self.auth.enabled:
-            self.tenant_counts.add(tenant, name, n)
+            tenant = ns.tenant
+            for name, n in counts.items():
+                self.tenant_counts.add(tenant, name, n)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, peer: str | None = None) -> Session:
@@ -243,15 +247,14 @@ class NodeStore:
             except ValueError as exc:
                 raise Refused(Status.TOO_LARGE, str(exc)) from None
             session.namespaces[ns.id] = ns
-            self._count_tenant(ns.tenant, "namespaces_declared")
+            self._count_tenant(ns, namespaces_declared=1)
         return FEATURES, ns.id
 
     def _namespace_of(self, session: Session, ns_id: bytes) -> Namespace:
         ns = session.namespaces.get(ns_id)
         if ns is None:
             raise _unknown(ns_id)
-        if self.auth.enabled:  # (ns.tenant splits a string: not per request without auth)
-            self._count_tenant(ns.tenant, "requests")
+        self._count_tenant(ns, requests=1)
         return ns
 
     def _scoped(self, session: Session, ns_id: bytes,
@@ -318,9 +321,7 @@ class NodeStore:
         stored += self.pool.commit_many(received)
         ns = batch.ns
         self.counters.add("put_chunks", stored)
-        self._count_tenant(ns.tenant, "requests")
-        self._count_tenant(ns.tenant, "put_chunks", stored)
-        self._count_tenant(ns.tenant, "put_bytes", stored * ns.chunk_bytes)
+        self._count_tenant(ns, requests=1, put_chunks=stored, put_bytes=stored * ns.chunk_bytes)
         return stored
 
     async def delete(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
@@ -341,7 +342,7 @@ class NodeStore:
             raise Refused(Status.FORBIDDEN, f"namespace {ns_id.hex()} is not known here as one "
                           "of this token's tenants' (the admin token may drop any id)")
         if ns is not None:
-            self._count_tenant(ns.tenant, "requests")
+            self._count_tenant(ns, requests=1)
         result: int = await self._off_loop(self.pool.invalidate, ns or ns_id)
         return result
 
@@ -430,11 +431,7 @@ class NodeStore:
         views = [p for p in payload if p is not None]
         hits, misses = len(views), len(scoped) - len(views)
         self.counters.add_many({"get_hits": hits, "get_misses": misses})
-        if self.auth.enabled:
-            tenant = ns.tenant
-            self._count_tenant(tenant, "get_hits", hits)
-            self._count_tenant(tenant, "get_misses", misses)
-            self._count_tenant(tenant, "get_bytes", hits * ns.chunk_bytes)
+        self._count_tenant(ns, get_hits=hits, get_misses=misses, get_bytes=hits * ns.chunk_bytes)
         flags = b"\x01" * hits if not misses else bytes(p is not None for p in payload)
         return GetAnswer(flags, views, pins)
 
