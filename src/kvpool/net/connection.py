@@ -143,7 +143,7 @@ class NodeConnection:
                  payload: Sequence[memoryview] = ()) -> int:
         self._req_id += 1
         nbytes = sum(p.nbytes for p in payload)
-        head = Header(op, self._req_id, count, len(meta), nbytes).pack()
+        head = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, op, self._req_id, count, len(meta), nbytes)
         self._send([memoryview(head + meta), *payload])
         return self._req_id
 
@@ -237,18 +237,15 @@ class NodeConnection:
         """Fetch chunks into ``outs`` (each exactly ns.chunk_bytes). On a miss the buffer is
         untouched. ``touch`` keys ride along to be touched, not fetched (dropped unasked on
         a node older than Feature.GET_TOUCH)."""
-        # The hot path of a remote read: framing inline, no per-request objects beyond the
-        # answer's header (after a 2 MiB receive every Python step runs on cold caches).
+        # The hot path of a remote read: no per-request objects beyond the answer's header
+        # (after a 2 MiB receive every Python step runs on cold caches).
         views = [byte_view(o, writable=True) for o in outs]
         ns_id, count = ns.id, len(keys)
         if ns_id not in self.declared:
             self.declare(ns)
         meta = ns_id + b"".join(keys) + (b"".join(touch) if touch and self._get_touch
                                           else b"")
-        self._req_id += 1
-        req = self._req_id
-        self._send([memoryview(HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, Op.GET, req, count,
-                                           len(meta), 0) + meta)])
+        req = self._request(Op.GET, count, meta)
         head = self._head(Op.GET, req)
         if (count and head.status == Status.OK and head.meta_len == count
                 and head.payload_len == count * ns.chunk_bytes):
