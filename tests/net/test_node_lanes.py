@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from kvtest import byte_namespace, payload_for, wait_for
 from node_process import NodeProcess
+from tests_support import recv_exact
 
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import HEADER_BYTES, Op, RemoteError, pack_keys
@@ -202,16 +203,8 @@ def _read_answer(conn: NodeConnection) -> tuple[Any, bytes, bytes]:
     """One answer frame off the raw socket: (header, metadata, payload)."""
     from kvpool.net.protocol import unpack_header
 
-    def exact(n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            part = conn.sock.recv(n - len(buf))
-            assert part, "the node closed the connection"
-            buf += part
-        return bytes(buf)
-
-    head = unpack_header(exact(HEADER_BYTES))
-    return head, exact(head.meta_len), exact(head.payload_len)
+    head = unpack_header(recv_exact(conn.sock, HEADER_BYTES))
+    return head, recv_exact(conn.sock, head.meta_len), recv_exact(conn.sock, head.payload_len)
 
 
 def test_pipelined_frames_on_a_lane_are_each_answered_in_order(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from kvtest import byte_namespace, payload_for
 from node_process import NodeProcess
+from tests_support import recv_exact
 
 from kvpool.keys import Namespace, canonical_json
 from kvpool.net.connection import NodeConnection
@@ -154,16 +155,6 @@ def declare_many(address: str, token: str, namespaces: list[Namespace]) -> list[
         return statuses
     finally:
         conn.close()
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("node closed the connection")
-        buf += part
-    return bytes(buf)
 
 
 def test_40k_namespace_declares_keep_the_registry_at_its_bound(
