@@ -241,6 +241,7 @@ class ClusterConfig(_Section):
     nodes: list[str] = Field(default_factory=list, description="Static node list (host:port); used when etcd is empty. Both empty: embedded only.")
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints (http://host:port) for membership.")
     lease_ttl_s: float = Field(10.0, ge=1, description="Node registration lease: a dead node leaves placement within this time.")
+    membership_grace_s: float | None = Field(None, ge=0, description="A node whose etcd key vanished without a clean stop (lease expired: it died, or etcd was paused or cut off longer than the TTL) stays in a client's placement this long unless it registers again; requests that fail still mark it down at once. Unset: 2 x lease_ttl_s. 0: drop it at once.")
     token: str | None = Field(None, description="Client token sent in AUTH when nodes require it.")
     replicas: int = Field(1, ge=1, le=8, description="Default replication factor (copies written per chunk).")
     namespace_replicas: dict[str, int] = Field(default_factory=dict, description="Replication per model name, overriding replicas.")
@@ -260,6 +261,11 @@ class ClusterConfig(_Section):
     @property
     def enabled(self) -> bool:
         return bool(self.nodes or self.etcd)
+
+    @property
+    def grace_s(self) -> float:
+        """membership_grace_s, or 2 x lease_ttl_s when unset."""
+        return 2 * self.lease_ttl_s if self.membership_grace_s is None else self.membership_grace_s
 
 
 class MetricsConfig(_Section):

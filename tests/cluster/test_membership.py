@@ -153,8 +153,9 @@ def test_registered_node_is_visible(etcd_endpoint: str, cluster_name: str) -> No
         assert members.live_nodes() == []
         with NodeRegistration([etcd_endpoint], cluster_name, node(1)) as reg:
             assert reg.lease_id is not None
-            assert list_nodes([etcd_endpoint], cluster_name) == [node(1)]
-            wait_for(lambda: members.live_nodes() == [node(1)], 5, "watcher sees node-1")
+            assert list_nodes([etcd_endpoint], cluster_name) == [reg.node]  # with its run
+            assert reg.node.incarnation and reg.node.identity
+            wait_for(lambda: members.live_nodes() == [reg.node], 5, "watcher sees node-1")
             reg2 = NodeRegistration([etcd_endpoint], cluster_name, node(2)).start()
             wait_for(lambda: ids(members.live_nodes()) == ["node-1", "node-2"], 5,
                      "watcher sees node-2")
@@ -187,9 +188,9 @@ def test_nodes_joining_and_leaving_are_logged_as_events(
 
 
 def test_a_new_watcher_sees_existing_nodes(etcd_endpoint: str, cluster_name: str) -> None:
-    with NodeRegistration([etcd_endpoint], cluster_name, node(3)), \
+    with NodeRegistration([etcd_endpoint], cluster_name, node(3)) as reg, \
             EtcdMembership([etcd_endpoint], cluster_name) as members:
-        assert members.live_nodes() == [node(3)]
+        assert members.live_nodes() == [reg.node]
 
 
 def test_drained_keys_are_seen_by_watchers_old_and_new(

@@ -1,13 +1,14 @@
 """``kvpool admin``: the subcommands, and ``nodes`` and ``stats`` (a read of every node).
 
-``invalidate`` lives in namespaces.py, ``drain`` / ``undrain`` in drain.py, ``verify`` in
-verify.py; exit codes and the shared helpers in common.py (docs/operations.md, "Admin
-commands").
+``invalidate`` lives in namespaces.py, ``drain`` / ``undrain`` in drain.py, ``forget`` in
+forget.py, ``verify`` in verify.py; exit codes and the shared helpers in common.py
+(docs/operations.md, "Admin commands").
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from kvpool.admin.common import (
@@ -17,9 +18,9 @@ from kvpool.admin.common import (
     add_config_argument,
     cluster_nodes,
     cluster_of,
+    cluster_read,
     command,
     console,
-    drained_ids,
     load,
     on_nodes,
     pick,
@@ -29,10 +30,11 @@ from kvpool.net.connection import NodeConnection
 
 
 def add_admin_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvpool.admin import drain, namespaces, verify
+    from kvpool.admin import drain, forget, namespaces, verify
     sub = parser.add_subparsers(dest="admin_command", required=True)
     nodes = sub.add_parser("nodes", help="list the cluster's nodes (etcd or the static list) "
-                           "with their stats")
+                           "with their state (live, missing, draining) and stats; exit 1 "
+                           "when an expected node is missing")
     add_config_argument(nodes)
     nodes.add_argument("--json", action="store_true", help="print JSON instead of a table")
     nodes.set_defaults(func=command(admin_nodes))
@@ -43,40 +45,54 @@ def add_admin_arguments(parser: argparse.ArgumentParser) -> None:
     stats.set_defaults(func=command(admin_stats))
     namespaces.add_arguments(sub)
     drain.add_arguments(sub)
+    forget.add_arguments(sub)
     verify.add_arguments(sub)
 
 
 def admin_nodes(args: argparse.Namespace) -> int:
-    """Every node with a few of its figures; a node that does not answer is listed as down
-    (exit 0: the listing itself worked)."""
+    """Every registered or expected node with its state (kvpool.cluster.states) and a few of
+    its figures; a registered node that does not answer is listed as down. Exit 1 (and one
+    line on stderr naming them) when an expected node is missing, else 0."""
+    from kvpool.cluster.states import MISSING, node_states
     cluster = cluster_of(load(args))
-    nodes = cluster_nodes(cluster)
-    drained = drained_ids(cluster)
-    stats = on_nodes(cluster, nodes, NodeConnection.stats)
+    read = cluster_read(cluster)
+    nodes = {n.node_id: n for n in read.nodes}
+    states = node_states(nodes, read.expected, read.drained)
+    stats = on_nodes(cluster, list(nodes.values()), NodeConnection.stats)
     rows = []
-    for node in nodes:
-        answer = stats[node.node_id]
-        st = None if isinstance(answer, NodeFailure) else answer
+    for node_id, state in states.items():
+        node = nodes.get(node_id)
+        answer = stats.get(node_id)
+        st = None if answer is None or isinstance(answer, NodeFailure) else answer
         dram, ssd = (st or {}).get("dram", {}), (st or {}).get("ssd", {})
-        rows.append({"node_id": node.node_id, "address": node.address(), "up": st is not None,
-                     "drained": node.node_id in drained,
+        rows.append({"node_id": node_id, "state": state,
+                     "address": node.address() if node else read.expected.get(node_id, ""),
+                     "incarnation": node.incarnation if node else None,
+                     "up": st is not None, "drained": node_id in read.drained,
                      "dram_entries": dram.get("entries"), "dram_used": dram.get("used_bytes"),
                      "ssd_records": ssd.get("records"), "ssd_used": ssd.get("used_bytes"),
                      "uptime_s": (st or {}).get("server", {}).get("uptime_s")})
+    missing = [r["node_id"] for r in rows if r["state"] == MISSING]
     if args.json:
         print_json(rows)
-        return OK
-    from rich.table import Table
-    table = Table(title=f"kvpool cluster {cluster.name!r}: {len(rows)} nodes")
-    for col in ("node", "address", "up", "drained", "DRAM chunks", "DRAM MiB", "SSD chunks",
-                "SSD MiB", "uptime s"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["node_id"], r["address"], "yes" if r["up"] else "NO",
-                      "DRAINED" if r["drained"] else "-", _cell(r["dram_entries"]),
-                      _mib(r["dram_used"]), _cell(r["ssd_records"]), _mib(r["ssd_used"]),
-                      _cell(r["uptime_s"]))
-    console(140).print(table)
+    else:
+        from rich.table import Table
+        table = Table(title=f"kvpool cluster {cluster.name!r}: {len(rows)} nodes")
+        for col in ("node", "state", "address", "up", "drained", "DRAM chunks", "DRAM MiB",
+                    "SSD chunks", "SSD MiB", "uptime s"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(r["node_id"], r["state"].upper() if r["state"] == MISSING
+                          else r["state"], r["address"], "yes" if r["up"] else "NO",
+                          "DRAINED" if r["drained"] else "-", _cell(r["dram_entries"]),
+                          _mib(r["dram_used"]), _cell(r["ssd_records"]), _mib(r["ssd_used"]),
+                          _cell(r["uptime_s"]))
+        console(150).print(table)
+    if missing:
+        print(f"kvpool admin: {len(missing)} expected node(s) missing: {', '.join(missing)} "
+              "(not registered; `kvpool admin forget NODE` if one is gone for good)",
+              file=sys.stderr)
+        return FAILED
     return OK
 
 

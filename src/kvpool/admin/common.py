@@ -83,6 +83,24 @@ def cluster_nodes(cluster: ClusterConfig) -> list[NodeInfo]:
         raise AdminError(str(exc)) from None
 
 
+def cluster_read(cluster: ClusterConfig) -> Any:
+    """A :class:`~kvpool.cluster.etcd_membership.ClusterRead` of the cluster now: from etcd,
+    or the static list (every node expected, none drained). Raises as
+    :func:`cluster_nodes`."""
+    from kvpool.cluster.etcd_membership import ClusterRead, read_cluster
+    try:
+        if cluster.etcd:
+            return read_cluster(cluster.etcd, cluster.name, ETCD_TIMEOUT_S)
+        from kvpool.cluster.membership import StaticMembership
+        nodes = StaticMembership(cluster.nodes).live_nodes()
+        return ClusterRead(nodes=nodes, expected={n.node_id: n.address() for n in nodes},
+                           drained=frozenset())
+    except ValueError as exc:
+        raise AdminError(f"cluster: {exc}", USAGE) from None
+    except KVPoolError as exc:
+        raise AdminError(str(exc)) from None
+
+
 def pick(nodes: list[NodeInfo], node_id: str | None, cluster: ClusterConfig) -> list[NodeInfo]:
     """``nodes``, or only ``node_id`` (AdminError(1) if it is not among them)."""
     if node_id is None:

@@ -1,8 +1,9 @@
 """A small client for etcd v3's JSON gateway (the HTTP/JSON face of the gRPC API).
 
-Stdlib only. It covers what membership needs: put / range / delete, leases (grant, keepalive,
-revoke) and a streaming watch. Keys and values are bytes (str keys are UTF-8 encoded); the
-gateway carries them base64-encoded and int64 fields as strings, which this module hides.
+Stdlib only. It covers what membership needs: put / range / delete, transactions (compare
+and swap: :meth:`EtcdClient.txn`), leases (grant, keepalive, revoke) and a streaming watch.
+Keys and values are bytes (str keys are UTF-8 encoded); the gateway carries them
+base64-encoded and int64 fields as strings, which this module hides.
 
 Failure model, the same for every call:
 
@@ -61,6 +62,7 @@ import http.client
 import json
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvpool.cluster.etcd_watch import WatchStream
@@ -90,10 +92,49 @@ __all__ = [
     "EtcdError",
     "Event",
     "KeyValue",
+    "TxnResult",
     "WatchResponse",
     "WatchStream",
     "prefix_range_end",
 ]
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """The answer to :meth:`EtcdClient.txn`: whether the compares held, the store revision
+    after it, and the key-values of each range op of the branch that ran (in order)."""
+
+    succeeded: bool
+    revision: int
+    ranges: list[list[KeyValue]]
+
+
+def compare(key: bytes | str, target: str, value: int | bytes) -> JSONDict:
+    """A txn compare ``key``'s ``target`` EQUAL ``value``: target ``"CREATE"`` or ``"MOD"``
+    (a revision; create_revision 0 means the key does not exist), ``"LEASE"`` (a lease id)
+    or ``"VALUE"`` (bytes)."""
+    field = {"CREATE": "create_revision", "MOD": "mod_revision", "LEASE": "lease",
+             "VALUE": "value", "VERSION": "version"}[target]
+    encoded = b64(value) if isinstance(value, bytes) else str(int(value))
+    return {"key": b64(as_bytes(key)), "result": "EQUAL", "target": target, field: encoded}
+
+
+def op_put(key: bytes | str, value: bytes, lease: int = 0) -> JSONDict:
+    """A txn op storing ``value`` at ``key`` (attached to ``lease`` if non-zero)."""
+    put: JSONDict = {"key": b64(as_bytes(key)), "value": b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {"request_put": put}
+
+
+def op_delete(key: bytes | str) -> JSONDict:
+    """A txn op deleting ``key``."""
+    return {"request_delete_range": {"key": b64(as_bytes(key))}}
+
+
+def op_get(key: bytes | str) -> JSONDict:
+    """A txn op reading ``key`` (its answer is in :attr:`TxnResult.ranges`)."""
+    return {"request_range": {"key": b64(as_bytes(key))}}
 
 
 class EtcdClient:
@@ -213,6 +254,19 @@ class EtcdClient:
     def delete_prefix(self, prefix: bytes | str) -> int:
         """Delete every key under ``prefix``; how many were deleted."""
         return self.delete(prefix, prefix_range_end(prefix))
+
+    def txn(self, compares: Sequence[JSONDict], success: Sequence[JSONDict],
+            failure: Sequence[JSONDict] = ()) -> TxnResult:
+        """One atomic transaction: if every compare holds (see :func:`compare`), run the
+        ``success`` ops (:func:`op_put`, :func:`op_delete`, :func:`op_get`), else the
+        ``failure`` ops. Raises EtcdError as every call does (then it may or may not have
+        been applied, if etcd answered nothing after receiving it)."""
+        doc = self.call("/v3/kv/txn", {"compare": list(compares), "success": list(success),
+                                       "failure": list(failure)})
+        ranges = [[key_value(kv) for kv in (r.get("response_range") or {}).get("kvs") or []]
+                  for r in doc.get("responses") or [] if "response_range" in r]
+        return TxnResult(succeeded=bool(doc.get("succeeded")), revision=header_revision(doc),
+                         ranges=ranges)
 
     def lease_grant(self, ttl_s: int) -> tuple[int, int]:
         """A new lease: ``(lease_id, ttl_s)``. etcd may raise a small TTL to its minimum."""

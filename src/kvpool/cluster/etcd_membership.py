@@ -2,8 +2,15 @@
 
 :class:`EtcdMembership` reads ``/kvpool/<cluster>/`` (the registered nodes under ``nodes/``,
 the drained ones under ``drained/``; the layout is in :mod:`kvpool.cluster.membership`) and
-watches it from that read's revision; :func:`list_nodes` is the one-shot read behind
-``kvpool admin nodes``.
+watches it from that read's revision; :func:`list_nodes` and :func:`read_cluster` are the
+one-shot reads behind ``kvpool admin nodes``. It also follows the expected set (``expected/``).
+
+A node whose key disappears without the node having marked it ``stopping`` (its lease expired:
+it died, or etcd was paused or partitioned from it longer than the TTL) stays in the view for
+``grace_s`` (``cluster.membership_grace_s``) unless it registers again meanwhile: a client
+keeps placing on a node that still answers (requests that fail mark it down at once, see
+net/client.py), so etcd losing every lease at once does not empty the view. A node that
+stopped cleanly (record marked ``stopping``) leaves at once.
 
 Failure policy: the store must never fail a request because etcd is down. A running
 :class:`EtcdMembership` keeps serving the last set it saw while etcd is unreachable, logs one
@@ -14,10 +21,13 @@ endpoint is loud at start.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvpool.cluster.etcd import (
     EtcdClient,
@@ -30,11 +40,12 @@ from kvpool.cluster.membership import (
     NodeInfo,
     cluster_prefix,
     drained_prefix,
+    expected_prefix,
     nodes_prefix,
     sorted_nodes,
 )
 
-__all__ = ["EtcdMembership", "OnChange", "list_nodes"]
+__all__ = ["ClusterRead", "EtcdMembership", "OnChange", "list_nodes", "read_cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +106,26 @@ class EtcdMembership:
     """
 
     def __init__(self, endpoints: Sequence[str], cluster: str,
-                 on_change: OnChange | None = None, timeout_s: float = 2.0) -> None:
+                 on_change: OnChange | None = None, timeout_s: float = 2.0,
+                 grace_s: float = 0.0) -> None:
+        if grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
         self.cluster = cluster
+        self.grace_s = float(grace_s)
         self._root = cluster_prefix(cluster).encode("utf-8")
         self._prefix = nodes_prefix(cluster).encode("utf-8")
         self._drained_prefix = drained_prefix(cluster).encode("utf-8")
+        self._expected_prefix = expected_prefix(cluster).encode("utf-8")
         self._client = EtcdClient(endpoints, timeout_s)
         self._on_change = on_change
         self._lock = threading.Lock()
         self._nodes: dict[bytes, NodeInfo] = {}
+        # nodes whose key vanished without a clean leave: (record, monotonic expiry)
+        self._ghosts: dict[bytes, tuple[NodeInfo, float]] = {}
+        self._next_expiry = float("inf")
         self._view: list[NodeInfo] = []
         self._drained: frozenset[str] = frozenset()
+        self._expected: frozenset[str] = frozenset()
         self._drained_logged: frozenset[str] = frozenset()  # the drains the log has named
         self._stop = threading.Event()
         self._stream: WatchStream | None = None
@@ -115,9 +135,18 @@ class EtcdMembership:
         self._thread.start()
 
     def live_nodes(self) -> list[NodeInfo]:
-        """The live nodes sorted by node_id, as last seen; never blocks on etcd, never raises."""
+        """The live nodes sorted by node_id, as last seen (with the nodes still in their
+        grace period); never blocks on etcd, never raises."""
+        if time.monotonic() >= self._next_expiry:
+            self._publish(notify=True)
         with self._lock:
             return list(self._view)
+
+    def expected_nodes(self) -> frozenset[str]:
+        """Ids under ``/kvpool/<cluster>/expected/`` as last seen: every node that registered
+        and was not forgotten (``kvpool admin forget``); never blocks, never raises."""
+        with self._lock:
+            return self._expected
 
     def drained_nodes(self) -> frozenset[str]:
         """Ids under ``/kvpool/<cluster>/drained/`` as last seen; never blocks, never raises."""
@@ -146,18 +175,36 @@ class EtcdMembership:
         """Replace the node set with a fresh range read; the read's revision."""
         kvs, revision = self._client.get_prefix(self._root)
         nodes = {kv.key: node for kv in kvs if kv.key.startswith(self._prefix)
-                 and (node := _node_from_kv(self._prefix, kv))}
+                 and (node := _node_from_kv(self._prefix, kv)) and not node.stopping}
         drained = frozenset(self._drained_id(kv.key) for kv in kvs
                             if kv.key.startswith(self._drained_prefix))
+        expected = frozenset(kv.key[len(self._expected_prefix):].decode("utf-8", "replace")
+                             for kv in kvs if kv.key.startswith(self._expected_prefix))
         with self._lock:
+            for key, node in self._nodes.items():
+                if key not in nodes:
+                    self._vanished(key, node)
+            for key in nodes:
+                self._ghosts.pop(key, None)
             self._nodes = nodes
             self._drained = drained
+            self._expected = expected
         self._publish(notify)
         return revision
 
+    def _vanished(self, key: bytes, node: NodeInfo) -> None:
+        """``node``'s key is gone without a clean leave: keep it for the grace period.
+        Called with the lock held."""
+        if self.grace_s > 0:
+            self._ghosts[key] = (node, time.monotonic() + self.grace_s)
+
     def _publish(self, notify: bool) -> None:
         with self._lock:
-            view = sorted_nodes(self._nodes.values())
+            now = time.monotonic()
+            self._ghosts = {k: g for k, g in self._ghosts.items()
+                            if g[1] > now and k not in self._nodes}
+            self._next_expiry = min((g[1] for g in self._ghosts.values()), default=float("inf"))
+            view = sorted_nodes([*self._nodes.values(), *(g[0] for g in self._ghosts.values())])
             drained_before, self._drained_logged = self._drained_logged, self._drained
             drained = self._drained
             before = self._view
@@ -175,19 +222,31 @@ class EtcdMembership:
     def _apply(self, msg: WatchResponse) -> None:
         with self._lock:
             for event in msg.events:
-                if event.kv.key.startswith(self._drained_prefix):
-                    node_id = self._drained_id(event.kv.key)
+                key = event.kv.key
+                if key.startswith(self._drained_prefix):
+                    node_id = self._drained_id(key)
                     self._drained = (self._drained - {node_id} if event.type == "DELETE"
                                      else self._drained | {node_id})
                     continue
-                if not event.kv.key.startswith(self._prefix):
+                if key.startswith(self._expected_prefix):
+                    node_id = key[len(self._expected_prefix):].decode("utf-8", "replace")
+                    self._expected = (self._expected - {node_id} if event.type == "DELETE"
+                                      else self._expected | {node_id})
+                    continue
+                if not key.startswith(self._prefix):
                     continue  # another kind of cluster key: not membership's
                 if event.type == "DELETE":
-                    self._nodes.pop(event.kv.key, None)
+                    gone = self._nodes.pop(key, None)
+                    if gone is not None:
+                        self._vanished(key, gone)
                 elif node := _node_from_kv(self._prefix, event.kv):
-                    self._nodes[event.kv.key] = node
+                    self._ghosts.pop(key, None)
+                    if node.stopping:  # a clean leave: out at once, no grace
+                        self._nodes.pop(key, None)
+                    else:
+                        self._nodes[key] = node
                 else:
-                    self._nodes.pop(event.kv.key, None)
+                    self._nodes.pop(key, None)
         self._publish(notify=True)
 
     def _drained_id(self, key: bytes) -> str:
@@ -254,6 +313,8 @@ class EtcdMembership:
                 return
             if msg.events:
                 self._apply(msg)
+            elif time.monotonic() >= self._next_expiry:
+                self._publish(notify=True)
 
 
 def _log_changes(cluster: str, before: list[NodeInfo], after: list[NodeInfo]) -> None:
@@ -289,3 +350,45 @@ def list_nodes(endpoints: Sequence[str], cluster: str, timeout_s: float = 2.0) -
     prefix = nodes_prefix(cluster).encode("utf-8")
     kvs, _ = EtcdClient(endpoints, timeout_s).get_prefix(prefix)
     return sorted_nodes(node for kv in kvs if (node := _node_from_kv(prefix, kv)))
+
+
+@dataclass(frozen=True)
+class ClusterRead:
+    """One consistent read of a cluster: registered nodes (sorted by id), the expected set
+    (node id -> the address it last registered with, "" if its entry does not say) and the
+    drained set."""
+
+    nodes: list[NodeInfo]
+    expected: dict[str, str]
+    drained: frozenset[str]
+
+
+def read_cluster(endpoints: Sequence[str], cluster: str, timeout_s: float = 2.0) -> ClusterRead:
+    """Nodes, expected set and drains of ``cluster`` in one range read. Raises as
+    :func:`list_nodes`."""
+    root = cluster_prefix(cluster).encode("utf-8")
+    prefixes = {name: p(cluster).encode("utf-8") for name, p in
+                (("nodes", nodes_prefix), ("expected", expected_prefix),
+                 ("drained", drained_prefix))}
+    kvs, _ = EtcdClient(endpoints, timeout_s).get_prefix(root)
+
+    def ids(name: str) -> frozenset[str]:
+        p = prefixes[name]
+        return frozenset(kv.key[len(p):].decode("utf-8", "replace") for kv in kvs
+                         if kv.key.startswith(p))
+
+    nodes = sorted_nodes(node for kv in kvs if kv.key.startswith(prefixes["nodes"])
+                         and (node := _node_from_kv(prefixes["nodes"], kv)))
+    p = prefixes["expected"]
+    expected = {kv.key[len(p):].decode("utf-8", "replace"): _expected_address(kv.value)
+                for kv in kvs if kv.key.startswith(p)}
+    return ClusterRead(nodes=nodes, expected=expected, drained=ids("drained"))
+
+
+def _expected_address(value: bytes) -> str:
+    """The address an expected-set entry names ("" if it is not the JSON a node writes)."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return ""
+    return str(doc.get("address") or "") if isinstance(doc, dict) else ""

@@ -2,11 +2,16 @@
 
 Layout in etcd (DESIGN.md §6): each node puts ``/kvpool/<cluster>/nodes/<node_id>`` with a JSON
 :class:`NodeInfo` value, attached to a lease it keeps alive
-(:class:`~kvpool.cluster.registration.NodeRegistration`). When the node stops cleanly it
-revokes the lease and its key disappears at once; when it dies the key disappears after the
-lease's TTL. ``kvpool admin drain`` puts ``/kvpool/<cluster>/drained/<node_id>`` (no lease: a
-drain outlives restarts of the node until ``kvpool admin undrain`` deletes it); placement of
-new chunks skips a drained node, reads still go to it. Clients read ``/kvpool/<cluster>/``
+(:class:`~kvpool.cluster.registration.NodeRegistration`), only if the key is absent or held by
+the same ``identity`` (its cache_dir's: a previous run of the same node). Each run has its own
+``incarnation``. When the node stops cleanly it marks its record ``stopping`` and deletes it
+(clients drop it at once); when it dies the key disappears after the lease's TTL (clients keep
+it for ``cluster.membership_grace_s`` unless requests to it fail). Registering also puts
+``/kvpool/<cluster>/expected/<node_id>`` (no lease): the nodes that should be there, until
+``kvpool admin forget`` deletes it. ``kvpool admin drain`` puts
+``/kvpool/<cluster>/drained/<node_id>`` (no lease: a drain outlives restarts of the node until
+``kvpool admin undrain`` deletes it); placement of new chunks skips a drained node, reads still
+go to it. Clients read ``/kvpool/<cluster>/``
 and watch it (:class:`~kvpool.cluster.etcd_membership.EtcdMembership`); deployments without
 etcd use :class:`StaticMembership` (nothing is ever drained there). Placement sees either
 through the :class:`Membership` protocol.
@@ -28,6 +33,8 @@ __all__ = [
     "cluster_prefix",
     "drained_key",
     "drained_prefix",
+    "expected_key",
+    "expected_prefix",
     "nodes_prefix",
     "parse_address",
     "registration_key",
@@ -61,6 +68,16 @@ def drained_prefix(cluster: str) -> str:
 def drained_key(cluster: str, node_id: str) -> str:
     """The key whose presence drains ``node_id``; ValueError for a malformed name."""
     return drained_prefix(cluster) + _check_name("node id", node_id)
+
+
+def expected_prefix(cluster: str) -> str:
+    """``/kvpool/<cluster>/expected/``: one key per node that ever registered (no lease)."""
+    return cluster_prefix(cluster) + "expected/"
+
+
+def expected_key(cluster: str, node_id: str) -> str:
+    """The key that keeps ``node_id`` in the expected set; ValueError for a malformed name."""
+    return expected_prefix(cluster) + _check_name("node id", node_id)
 
 
 def registration_key(cluster: str, node_id: str) -> str:
@@ -97,6 +114,12 @@ class NodeInfo:
     port: int
     #: Port of the node's /metrics endpoint (server.metrics_port), on ``host``; None: none.
     metrics_port: int | None = None
+    #: This run of the node (random per process start); None in records that lack it.
+    incarnation: str | None = None
+    #: The node's cache_dir identity (kept in the cache_dir, the same across restarts).
+    identity: str | None = None
+    #: Set by a node that stops cleanly, just before it deletes its key.
+    stopping: bool = False
 
     def __post_init__(self) -> None:
         _check_name("node id", self.node_id)
@@ -120,6 +143,11 @@ class NodeInfo:
         doc: dict[str, Any] = {"node_id": self.node_id, "host": self.host, "port": self.port}
         if self.metrics_port is not None:
             doc["metrics_port"] = self.metrics_port
+        for name in ("incarnation", "identity"):
+            if getattr(self, name) is not None:
+                doc[name] = getattr(self, name)
+        if self.stopping:
+            doc["stopping"] = True
         return json.dumps(doc, sort_keys=True).encode("utf-8")
 
     def metrics_url(self) -> str | None:
@@ -131,7 +159,9 @@ class NodeInfo:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> NodeInfo:
-        """Parse :meth:`to_json`'s output; ValueError if it is not a valid node record."""
+        """Parse :meth:`to_json`'s output; ValueError if it is not a valid node record.
+        ``incarnation``, ``identity`` and ``stopping`` are optional (older records lack
+        them)."""
         try:
             doc: Any = json.loads(data)
         except ValueError as exc:
@@ -140,7 +170,10 @@ class NodeInfo:
             raise ValueError(f"node record is not a JSON object: {data[:100]!r}")
         try:
             return cls(node_id=str(doc["node_id"]), host=str(doc["host"]), port=doc["port"],
-                       metrics_port=doc.get("metrics_port"))
+                       metrics_port=doc.get("metrics_port"),
+                       incarnation=_opt_str(doc.get("incarnation")),
+                       identity=_opt_str(doc.get("identity")),
+                       stopping=doc.get("stopping") is True)
         except KeyError as exc:
             raise ValueError(f"node record lacks {exc.args[0]!r}: {data[:100]!r}") from exc
 
@@ -151,6 +184,9 @@ class NodeInfo:
         shown = f"[{host}]" if ":" in host else host
         return cls(node_id=node_id or f"{shown}:{port}", host=host, port=port)
 
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def sorted_nodes(nodes: Iterable[NodeInfo]) -> list[NodeInfo]:

@@ -30,6 +30,8 @@ class ServerCollector(Collector):
         out = Families()
         out.add("kvpool_server_connections", state["connections"])
         out.add("kvpool_server_draining", 1 if state.get("draining") else 0)
+        for name, n in (state.get("cluster_nodes") or {}).items():
+            out.add("kvpool_cluster_nodes", n, name)
         out.add("kvpool_server_connections_accepted_total", counts.get("connections_accepted", 0))
         out.add("kvpool_server_auth_failures_total", counts.get("auth_failures", 0))
         out.add("kvpool_server_protocol_errors_total", counts.get("protocol_errors", 0))

@@ -4,12 +4,14 @@ Scrapes every endpoint's ``/metrics`` each interval and shows, per endpoint and 
 happened between the last two scrapes (:mod:`kvpool.monitor.report`). Without ``--endpoint``
 the endpoints are the cluster's nodes from the config: each node registered in etcd
 (``cluster.etcd``) with the ``metrics_port`` it registered; or each static node
-(``cluster.nodes``) at ``server.metrics_port``. They are found once, at start: a node that
-stops shows as down, one that joins later is not added.
+(``cluster.nodes``) at ``server.metrics_port``. A node in etcd's expected set that is not
+registered is a ``MISSING`` row. They are found once, at start: a node that stops shows as
+down, one that joins later is not added.
 
-Exit status: 0 (``--once`` with at least one endpoint up, or the live view left with Ctrl-C);
-1 if every endpoint was down (``--once``) or etcd could not be read; 2 for bad arguments or
-no endpoint to watch. A down endpoint is a row of the view, never a crash.
+Exit status: 0 (``--once`` with at least one endpoint up and no expected node missing, or the
+live view left with Ctrl-C); 1 if every endpoint was down or an expected node is missing
+(``--once``) or etcd could not be read; 2 for bad arguments or no endpoint to watch. A down
+endpoint is a row of the view, never a crash.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Target:
     name: str
     url: str | None
     problem: str | None = None
+    #: In the expected set but not registered (kvpool.cluster.states MISSING).
+    missing: bool = False
 
 
 class _SetupError(Exception):
@@ -114,16 +118,22 @@ def _targets(endpoints: Sequence[str], config: str | None) -> list[Target]:
 def _etcd_targets(etcd: Sequence[str], cluster: str) -> list[Target]:
     """Every node registered in ``cluster``, at the metrics port its record names."""
     from kvpool.cluster.etcd import EtcdError
-    from kvpool.cluster.etcd_membership import list_nodes
+    from kvpool.cluster.etcd_membership import read_cluster
     try:
-        nodes = list_nodes(etcd, cluster)
+        read = read_cluster(etcd, cluster)
     except (EtcdError, ValueError) as exc:
         raise _SetupError(f"cannot list the nodes in etcd: {exc}", 1) from exc
-    if not nodes:
+    if not read.nodes and not read.expected:
         raise _SetupError(f"no node is registered in cluster {cluster!r}", 2)
-    return [Target(n.node_id, n.metrics_url(),
-                   None if n.metrics_port else "registered without a metrics port (set "
-                   "server.metrics_port on the node)") for n in nodes]
+    registered = {n.node_id for n in read.nodes}
+    targets = [Target(n.node_id, n.metrics_url(),
+                      None if n.metrics_port else "registered without a metrics port (set "
+                      "server.metrics_port on the node)") for n in read.nodes]
+    targets += [Target(node_id, None, "expected but not registered (last at "
+                       f"{address or '?'}; `kvpool admin forget {node_id}` if gone for good)",
+                       missing=True)
+                for node_id, address in read.expected.items() if node_id not in registered]
+    return sorted(targets, key=lambda t: t.name)
 
 
 def _scrape(targets: Sequence[Target], timeout_s: float) -> list[Scrape]:
@@ -136,8 +146,12 @@ def _scrape(targets: Sequence[Target], timeout_s: float) -> list[Scrape]:
 
 def _reports(targets: Sequence[Target], before: Sequence[Scrape],
              after: Sequence[Scrape]) -> dict[str, dict[str, Any]]:
-    return {t.name: endpoint_report(b, a) for t, b, a in zip(targets, before, after,
-                                                             strict=True)}
+    reports = {t.name: endpoint_report(b, a) for t, b, a in zip(targets, before, after,
+                                                                strict=True)}
+    for t in targets:
+        if t.missing:
+            reports[t.name]["missing"] = True
+    return reports
 
 
 def _title(targets: Sequence[Target], interval: float) -> str:
@@ -157,6 +171,8 @@ def _once(targets: Sequence[Target], interval: float, timeout_s: float, as_json:
         if not console.is_terminal:  # a pipe or file: the whole table, not 80 columns of it
             console.width = max(console.width, _WIDE)
         console.print(render(reports, _title(targets, interval)))
+    if any(t.missing for t in targets):
+        return 1
     return 0 if any(r["up"] for r in reports.values()) else 1
 
 

@@ -31,7 +31,9 @@ def render(reports: Mapping[str, Mapping[str, Any]], title: str) -> Group:
         if report.get("up"):
             blocks.append(_endpoint_table(endpoint, report))
         else:
-            blocks.append(Text.assemble((f"{endpoint}  ", "bold"), ("DOWN", "bold red"),
+            blocks.append(Text.assemble((f"{endpoint}  ", "bold"),
+                                        ("MISSING" if report.get("missing") else "DOWN",
+                                         "bold red"),
                                         f"  {report.get('error') or ''}"))
     return Group(*blocks)
 

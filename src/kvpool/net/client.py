@@ -55,7 +55,7 @@ def membership_for(cfg: ClusterConfig) -> Membership:
     if etcd cannot be reached at start (an operator error, reported at once), ValueError for
     a malformed static address."""
     if cfg.etcd:
-        return EtcdMembership(cfg.etcd, cfg.name)
+        return EtcdMembership(cfg.etcd, cfg.name, grace_s=cfg.grace_s)
     return StaticMembership(cfg.nodes)
 
 
@@ -67,6 +67,7 @@ class ClusterClient:
         self.membership = membership if membership is not None else membership_for(cfg)
         self._pools: dict[str, NodePool] = {}
         self._down_until: dict[str, float] = {}
+        self._runs: dict[str, tuple[str | None, str]] = {}  # node id -> (incarnation, address)
         self._replicas: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(cfg.fanout_threads, thread_name_prefix="kvpool-net")
@@ -97,6 +98,14 @@ class ClusterClient:
         out = []
         for node in self.membership.live_nodes():
             with self._lock:
+                run = (node.incarnation, node.address())
+                stale = None
+                if self._runs.get(node.node_id, run) != run:
+                    # a new run of the node (restarted) or a new address: the old run's
+                    # connections and down mark say nothing about this one
+                    stale = self._pools.pop(node.node_id, None)
+                    self._down_until.pop(node.node_id, None)
+                self._runs[node.node_id] = run
                 if node.node_id not in self._pools:
                     c = self.cfg
                     self._pools[node.node_id] = NodePool(node.address(), c.token,
@@ -106,6 +115,11 @@ class ClusterClient:
                                                          c.socket_buffer_bytes)
                 if self._down_until.get(node.node_id, 0.0) <= now:
                     out.append(node.node_id)
+            if stale is not None:
+                log.info("node %s: new incarnation %s at %s; old connections closed",
+                         node.node_id, node.incarnation, node.address(),
+                         extra={"event": "node_incarnation", "node": node.node_id})
+                stale.close()
         live_drained = drained.intersection(out)
         self._live_cache = (now + self.cfg.live_cache_s, out, live_drained)
         return out, live_drained

@@ -87,6 +87,7 @@ class StorageNode:
             raise
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
         self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
+        self.exit_status = 0  # 2 once another node took this node id (registration lost)
         self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
                                                    self._metrics_state, self.traffic.latency))
         self.metrics_server: MetricsServer | None = None
@@ -100,7 +101,15 @@ class StorageNode:
                 raise
 
     def _metrics_state(self) -> dict[str, Any]:
-        return {"connections": len(self._connections), "draining": self.store.drained}
+        state: dict[str, Any] = {"connections": len(self._connections),
+                                 "draining": self.store.drained}
+        watch = self._drain_watch
+        if watch is not None:  # kvpool_cluster_nodes{state}: the cluster as this node sees it
+            from kvpool.cluster.states import node_states, state_counts
+            state["cluster_nodes"] = state_counts(node_states(
+                (n.node_id for n in watch.live_nodes()), watch.expected_nodes(),
+                watch.drained_nodes()))
+        return state
 
     def count(self, name: str, n: int = 1) -> None:
         self.store.counters.add(name, n)
@@ -181,6 +190,7 @@ class StorageNode:
         """Serve until ``stop()`` (or a signal when run by ``run``)."""
         self._stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        self._loop = loop
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Only the main thread may own signals (tests run nodes in threads too).
             with contextlib.suppress(RuntimeError, ValueError):
@@ -216,21 +226,36 @@ class StorageNode:
             return None
         from kvpool.cluster.etcd import EtcdError
         from kvpool.cluster.etcd_membership import EtcdMembership
+        from kvpool.cluster.identity import cache_dir_identity, new_incarnation
         from kvpool.cluster.membership import NodeInfo
-        from kvpool.cluster.registration import NodeRegistration
+        from kvpool.cluster.registration import NodeIdTakenError, NodeRegistration
         try:
-            watch = EtcdMembership(cluster.etcd, cluster.name)
+            identity = cache_dir_identity(self.config.cache_dir)
+        except (OSError, ValueError) as exc:
+            raise NodeStartError(f"cache_dir={self.config.cache_dir}: cannot keep the node "
+                                 f"identity: {exc}") from None
+        try:
+            watch = EtcdMembership(cluster.etcd, cluster.name, grace_s=cluster.grace_s)
             self._drain_watch = watch
             self.store.drain_flag = lambda: self.node_id in watch.drained_nodes()
             metrics_port = self.metrics_server.port if self.metrics_server else None
             reg = NodeRegistration(cluster.etcd, cluster.name,
-                                   NodeInfo(self.node_id, self.host, self.port, metrics_port),
-                                   cluster.lease_ttl_s)
+                                   NodeInfo(self.node_id, self.host, self.port, metrics_port,
+                                            incarnation=new_incarnation(), identity=identity),
+                                   cluster.lease_ttl_s, on_taken=self._node_id_taken)
             reg.start()
+        except NodeIdTakenError as exc:
+            raise NodeStartError(str(exc)) from None
         except (EtcdError, ValueError) as exc:
             raise NodeStartError(f"cluster.etcd={','.join(cluster.etcd)}: cannot register node "
                                  f"{self.node_id}: {exc}") from None
         return reg
+
+    def _node_id_taken(self, exc: Exception) -> None:
+        """From the registration thread: another node holds this node id now (this one lost
+        its lease meanwhile). Stop serving; ``kvpool serve`` exits 2."""
+        self.exit_status = 2
+        self._loop.call_soon_threadsafe(self._stop.set)
 
     async def _shutdown(self, accept: asyncio.Task[None], registration: Any) -> None:
         self.traffic.draining = True
@@ -278,7 +303,7 @@ def run(config: Config) -> int:
         uvloop.run(node.serve())
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         asyncio.run(node.serve())
-    return 0
+    return node.exit_status
 
 
 def freeze_startup_heap() -> int:
