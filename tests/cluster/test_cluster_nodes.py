@@ -160,14 +160,18 @@ def test_admin_nodes_lists_registered_nodes(nodes: list[NodeProcess], etcd_endpo
     nodes[2].kill9()
     out = subprocess.run([sys.executable, "-m", "kvpool.cli", "admin", "nodes", "--json",
                           "--config", str(cfg)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
     rows = {r["node_id"]: r for r in json.loads(out.stdout)}
-    assert {"node-0", "node-1"} <= set(rows)
+    assert set(rows) == {"node-0", "node-1", "node-2"}
     assert rows["node-0"]["up"] and rows["node-1"]["up"]
-    if "node-2" in rows:  # listed until its lease expires, but shown as down
-        assert not rows["node-2"]["up"]
+    assert rows["node-0"]["state"] == rows["node-1"]["state"] == "live"
+    assert not rows["node-2"]["up"]  # listed until its lease expires, but shown as down;
+    # then missing (it is in the expected set), and the listing exits 1
+    assert out.returncode == (1 if rows["node-2"]["state"] == "missing" else 0), out.stderr
     assert rows["node-0"]["address"] == nodes[0].address
+    wait_for(lambda: "node-2" not in {n.node_id for n in watcher.live_nodes()}, TTL + 5,
+             "node-2's lease to expire")
     table = subprocess.run([sys.executable, "-m", "kvpool.cli", "admin", "nodes", "--config",
                             str(cfg)], capture_output=True, text=True, timeout=60)
-    assert table.returncode == 0 and "node-1" in table.stdout
+    assert table.returncode == 1 and "node-1" in table.stdout and "MISSING" in table.stdout
+    assert "node-2" in table.stderr
     watcher.close()

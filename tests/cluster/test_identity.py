@@ -100,7 +100,7 @@ def test_registration_never_overwrites_or_deletes_another_identitys_key(
                          on_taken=taken.append).start()
     b = NodeRegistration([etcd_endpoint], cluster_name,
                          NodeInfo("node-x", "127.0.0.1", 7102, identity="b" * 32), ttl_s=30)
-    with pytest.raises(NodeIdTakenError, match="taken by the node at 127.0.0.1:7101"):
+    with pytest.raises(NodeIdTakenError, match=r"taken by the node at 127\.0\.0\.1:7101"):
         b.start()
     b.close()
     kv = etcd.get(key)
