@@ -126,3 +126,32 @@ def test_registration_never_overwrites_or_deletes_another_identitys_key(
     kv = etcd.get(key)
     assert kv is not None and NodeInfo.from_json(kv.value) == other
     etcd.delete(key)
+
+
+def test_a_node_whose_key_another_node_holds_after_a_lost_lease_stops_with_exit_2(
+        tmp_path: Path, etcd_endpoint: str, cluster_name: str) -> None:
+    """The node loses its lease while another identity's record sits at its key: it logs one
+    ERROR (event node_id_taken) naming the holder and `kvpool serve` exits 2, leaving the
+    other's record as it was."""
+    cluster = {"etcd": [etcd_endpoint], "name": cluster_name, "lease_ttl_s": 2.0}
+    node = NodeProcess(tmp_path / "n", cluster=cluster, server={"node_id": "node-t"})
+    node.start()
+    try:
+        etcd = EtcdClient([etcd_endpoint])
+        key = registration_key(cluster_name, "node-t")
+        kv = etcd.get(key)
+        assert kv is not None and kv.lease
+        other = NodeInfo("node-t", "127.0.0.1", 7999, incarnation="1", identity="e" * 32)
+        etcd.put(key, other.to_json())  # another node took the key (without a lease here)
+        assert etcd.lease_revoke(kv.lease)  # and the node's lease is gone
+        assert node.proc is not None
+        assert node.proc.wait(20) == 2
+        log = node.log.read_text()
+        errors = [ln for ln in log.splitlines() if " ERROR " in ln]
+        assert len(errors) == 1 and "127.0.0.1:7999" in errors[0], errors
+        assert "Traceback" not in log
+        kv = etcd.get(key)
+        assert kv is not None and NodeInfo.from_json(kv.value) == other
+        etcd.delete(key)
+    finally:
+        node.stop()

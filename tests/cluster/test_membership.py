@@ -393,3 +393,36 @@ def test_watcher_started_then_etcd_down_for_long(etcd_server: EtcdServer,
         etcd_server.wipe()  # comes back empty, at revision 1: no event will say node-1 left
         etcd_server.start()
         wait_for(lambda: members.live_nodes() == [], 15, "stale node dropped after resync")
+
+
+# -- grace period and records of older nodes (issue 22) -------------------------------------
+
+
+def test_records_without_incarnation_or_identity_still_parse() -> None:
+    old = NodeInfo.from_json(b'{"node_id": "n", "host": "h", "port": 1}')
+    assert old == NodeInfo("n", "h", 1) and old.incarnation is None and not old.stopping
+    full = NodeInfo("n", "h", 1, 2, incarnation="i", identity="d", stopping=True)
+    assert NodeInfo.from_json(full.to_json()) == full
+
+
+def test_a_vanished_key_stays_for_the_grace_period_a_clean_leave_goes_at_once(
+        etcd_endpoint: str, cluster_name: str) -> None:
+    with EtcdMembership([etcd_endpoint], cluster_name, grace_s=2.0) as members:
+        with NodeRegistration([etcd_endpoint], cluster_name, node(1), ttl_s=30):
+            wait_for(lambda: ids(members.live_nodes()) == ["node-1"], 5, "node-1 seen")
+        wait_for(lambda: members.live_nodes() == [], 5, "a clean leave: gone at once")
+        assert members.expected_nodes() == {"node-1"}
+
+        reg = NodeRegistration([etcd_endpoint], cluster_name, node(2), ttl_s=30).start()
+        wait_for(lambda: ids(members.live_nodes()) == ["node-2"], 5, "node-2 seen")
+        client = EtcdClient([etcd_endpoint])
+        lease = reg.lease_id
+        reg._stop.set()  # its keepalive stops, as if the process had died
+        assert lease is not None and client.lease_revoke(lease)  # the key goes, no "stopping"
+        gone_at = time.monotonic()
+        assert list_nodes([etcd_endpoint], cluster_name) == []
+        time.sleep(0.5)
+        assert ids(members.live_nodes()) == ["node-2"]  # kept for the grace period
+        wait_for(lambda: members.live_nodes() == [], 10, "node-2 dropped after the grace")
+        assert time.monotonic() - gone_at >= 1.5
+        reg.close()
