@@ -93,6 +93,17 @@ LOG_EVENTS_SECTION = [
     "| `dropped_save` | warning | kvpool.writebehind | `queue` (ssd_staging, "
     "cluster_staging), `cause` (full), `dropped`: one line per burst (at most one per 10 s), "
     "`dropped` saves since the last |",
+    "| `node_id_taken` | error | kvpool.cluster.registration | `node`, `holder` (address): "
+    "the node lost its lease and another node (another cache_dir identity) holds its key "
+    "now; the node stops, `kvpool serve` exits 2 |",
+    "| `lease_lost`, `registered_again` | warning | kvpool.cluster.registration | `node`: "
+    "the lease expired (etcd paused or cut off past the TTL); the node claims its key again |",
+    "| `etcd_unreachable`, `etcd_reachable` | warning, info | kvpool.cluster.registration | "
+    "`node`: the keepalive could not reach etcd (once per outage) / reached it again |",
+    "| `deregister_failed` | warning | kvpool.cluster.registration | `node`: a stopping "
+    "node could not remove its key; it expires after the TTL |",
+    "| `node_incarnation` | info | kvpool.cluster | `node`: a client saw a node id come "
+    "back as a new run (or at a new address) and closed its old connections |",
 ]
 
 
