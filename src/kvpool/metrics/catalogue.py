@@ -109,7 +109,8 @@ def _specs() -> list[MetricSpec]:
                    "1 while the node is drained (kvpool admin drain): no new chunks.", (), s),
         MetricSpec("kvpool_cluster_nodes", "gauge",
                    "Nodes of the cluster by state as this node sees etcd: live, missing "
-                   "(expected but not registered; kvpool admin forget removes one), draining.",
+                   "(expected but not registered; kvpool admin forget removes one), draining. "
+                   "A node without etcd counts itself, live.",
                    ("state",), s),
         MetricSpec("kvpool_engine_lookup_tokens_total", "counter",
                    "Prompt tokens the engine looked up, result hit or miss.",

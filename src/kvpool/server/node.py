@@ -103,12 +103,13 @@ class StorageNode:
     def _metrics_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"connections": len(self._connections),
                                  "draining": self.store.drained}
+        # kvpool_cluster_nodes{state}: the cluster as this node's etcd watch sees it; without
+        # etcd the node knows of no other node: itself, live
+        from kvpool.cluster.states import node_states, state_counts
         watch = self._drain_watch
-        if watch is not None:  # kvpool_cluster_nodes{state}: the cluster as this node sees it
-            from kvpool.cluster.states import node_states, state_counts
-            state["cluster_nodes"] = state_counts(node_states(
-                (n.node_id for n in watch.live_nodes()), watch.expected_nodes(),
-                watch.drained_nodes()))
+        state["cluster_nodes"] = state_counts(node_states(
+            (n.node_id for n in watch.live_nodes()), watch.expected_nodes(),
+            watch.drained_nodes()) if watch is not None else {self.node_id: "live"})
         return state
 
     def count(self, name: str, n: int = 1) -> None:
