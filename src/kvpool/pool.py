@@ -435,6 +435,26 @@ class KVPool:
         self._registered(ns, keys)
         return self._held_locally(ns.id, keys, stop_at_miss=False)
 
+    def resident_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: does the DRAM tier hold it now (all False without DRAM)? For a node's
+        repair, which copies the chunks DRAM serves first. Same checks as contains."""
+        self._registered(ns, keys)
+        if self._front is None:
+            return [False] * len(keys)
+        return list(self._front.contains_many(keys, ns.id))
+
+    def peek_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                       outs: Sequence[Any]) -> list[bool]:
+        """get_many_into without its side effects on the pool's figures and placement: no
+        hit or miss counts, no latency, no promotion into DRAM (a node's repair reads every
+        chunk it copies, and must not evict the hot set for cold ones). Same errors."""
+        self._registered(ns, keys)
+        check_same_length(keys, outs, "outs")
+        views = [byte_view(o, writable=True) for o in outs]
+        for view in views:
+            check_size(ns, view, "output buffer")
+        return [tier >= 0 for tier in read_tiers(self._tiers, ns, keys, views, None)]
+
     def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Count ``keys`` as just read, without moving bytes: the DRAM eviction policy sees a
         hit and the SSD index marks them hot (copied forward when their segment is evicted).

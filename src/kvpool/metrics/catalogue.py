@@ -107,6 +107,17 @@ def _specs() -> list[MetricSpec]:
                    "Requests and connections refused BUSY (over server limits).", (), s),
         MetricSpec("kvpool_server_draining", "gauge",
                    "1 while the node is drained (kvpool admin drain): no new chunks.", (), s),
+        MetricSpec("kvpool_repair_chunks_total", "counter",
+                   "Chunks copied to a replica that lacked them: kind=read (a client's read "
+                   "repair), rereplicate (a node, after a membership change), drain (a "
+                   "drained node emptying itself).", ("kind",), s),
+        MetricSpec("kvpool_repair_bytes_total", "counter",
+                   "Bytes of the chunks kvpool_repair_chunks_total counts.", (), s),
+        MetricSpec("kvpool_repair_pending_chunks", "gauge",
+                   "Chunks a node found a peer lacking and has not copied yet.", (), s),
+        MetricSpec("kvpool_repair_failures_total", "counter",
+                   "Repair copies that failed (peer down or refusing, read error) or were "
+                   "dropped (a client's full read-repair queue).", (), s),
         MetricSpec("kvpool_engine_lookup_tokens_total", "counter",
                    "Prompt tokens the engine looked up, result hit or miss.",
                    ("engine", "result"), e),

@@ -117,6 +117,11 @@ def remote_metrics(out: Families, stats: Stats) -> None:
         return
     out.add("kvpool_written_bytes_total", client.get("put_bytes", 0), "remote")
     out.add("kvpool_remote_errors_total", client.get("remote_errors", 0))
+    if "read_repair_chunks" in client:  # a client's read repair (net/read_repair.py)
+        out.add("kvpool_repair_chunks_total", client["read_repair_chunks"], "read")
+        out.add("kvpool_repair_bytes_total", client.get("read_repair_bytes", 0))
+        out.add("kvpool_repair_failures_total", client.get("read_repair_failures", 0)
+                + client.get("read_repair_dropped", 0))
     down = set(client.get("down_nodes", ()))
     for node in sorted(set(client.get("live_nodes", ())) | down):
         out.add("kvpool_node_up", 0 if node in down else 1, node)
