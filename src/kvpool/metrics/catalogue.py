@@ -61,6 +61,13 @@ def _specs() -> list[MetricSpec]:
         MetricSpec("kvpool_ssd_segments_evicted_total", "counter", "SSD segments freed."),
         MetricSpec("kvpool_ssd_copied_forward_total", "counter",
                    "Records copied forward when their SSD segment was evicted."),
+        MetricSpec("kvpool_ssd_hot_dropped_total", "counter",
+                   "Records read since written (DRAM hits and replica touches included) "
+                   "dropped with their SSD segment because they exceeded "
+                   "ssd.copy_forward_fraction."),
+        MetricSpec("kvpool_ssd_written_back_total", "counter",
+                   "DRAM victims written back to the SSD because their SSD record had been "
+                   "evicted while DRAM served them."),
         MetricSpec("kvpool_ssd_write_amplification", "gauge",
                    "Record bytes written to the SSD log (headers, padding, copy-forward) / "
                    "payload bytes put; 0 before the first put."),

@@ -71,6 +71,7 @@ def pool_counters(out: Families, stats: Stats, tiers: Sequence[tuple[str, str]])
     out.add("kvpool_prefetched_total", pool["prefetched"])
     out.add("kvpool_warmed_total", pool["warmed"])
     out.add("kvpool_demotions_total", pool.get("demotions", 0))
+    out.add("kvpool_ssd_written_back_total", pool.get("written_back", 0))
     out.add("kvpool_queue_depth", pool.get("mover_pending", 0), "mover")
 
 
@@ -101,6 +102,7 @@ def tier_counters(out: Families, stats: Stats) -> None:
         out.add("kvpool_evictions_total", ssd["records_evicted"], "ssd")
         out.add("kvpool_ssd_segments_evicted_total", ssd["segments_evicted"])
         out.add("kvpool_ssd_copied_forward_total", ssd["copied_forward"])
+        out.add("kvpool_ssd_hot_dropped_total", ssd.get("hot_dropped", 0))
         put_bytes = ssd["put_bytes"]
         out.add("kvpool_ssd_write_amplification",
                 ssd.get("log_bytes", 0) / put_bytes if put_bytes else 0.0)

@@ -342,6 +342,13 @@ class DramTier:
             self._check_open()
             return [(k, e.ns) for k, e in self._entries.items() if not e.on_lower]
 
+    def residents(self) -> list[tuple[bytes, Namespace, bool]]:
+        """Every resident chunk as (key, namespace, on_lower), oldest put first; on_lower:
+        a lower tier was known to hold it when it came in (it may have evicted it since)."""
+        with self._lock:
+            self._check_open()
+            return [(k, e.ns, e.on_lower) for k, e in self._entries.items()]
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             used = sum(e.slot_size for e in self._entries.values())
