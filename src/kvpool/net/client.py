@@ -135,9 +135,23 @@ class ClusterClient:
         if pool is None:
             return None
         try:  # take / give_back rather than a generator context manager: per-request path
-            conn = pool.take()
+            conn, reused = pool.take_reused()
             try:
                 result = fn(conn)
+            except ConnectionError:
+                conn.close()
+                if not reused:
+                    raise
+                # An idle connection the node closed (it restarted): so are the others. Once
+                # more on a new connection; reads and puts of content-addressed chunks may be
+                # repeated.
+                pool.close()
+                conn = pool.take()
+                try:
+                    result = fn(conn)
+                except BaseException:
+                    conn.close()
+                    raise
             except BaseException:
                 conn.close()
                 raise
