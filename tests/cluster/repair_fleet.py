@@ -46,7 +46,8 @@ class Fleet:
     def client(self, *namespaces: Namespace, **kw: Any) -> ClusterClient:
         s = self.cluster_settings
         c = ClusterClient(ClusterConfig(etcd=s["etcd"], name=s["name"], replicas=s["replicas"],
-                                        retry_down_s=0.3, request_timeout_s=5.0, **kw))
+                                        token=s.get("token"), retry_down_s=0.3,
+                                        request_timeout_s=5.0, **kw))
         self.wait_live(c, set(self.procs))
         for ns in namespaces:
             c.register_namespace(ns)
@@ -66,7 +67,7 @@ class Fleet:
 
     def holds(self, node_id: str, ns: Namespace, keys: list[bytes]) -> list[bool]:
         """What the node holds of ``keys``, asked directly (EXISTS)."""
-        conn = NodeConnection(self.procs[node_id].address)
+        conn = NodeConnection(self.procs[node_id].address, self.cluster_settings.get("token"))
         try:
             return conn.exists(ns, keys)
         finally:

@@ -73,10 +73,16 @@ def test_read_repair_refills_a_wiped_replica(fleet_factory: type[Fleet]) -> None
 
 def test_rereplication_after_a_node_dies_keeps_every_chunk_through_a_second_death(
         fleet_factory: type[Fleet]) -> None:
-    fleet = fleet_factory(3).start()
-    ns = byte_namespace(CHUNK, salt="rereplicate")
+    """With auth on: the nodes copy with their cluster.token, which their peers accept for
+    the namespace's tenant. Exactly one copy per chunk that lost a replica (the sender
+    rule: no two holders send the same chunk)."""
+    token = "repair-token-1"
+    fleet = fleet_factory(3, server={"auth": [{"token": token, "tenants": ["acme"]}]},
+                          cluster={"token": token}).start()
+    ns = byte_namespace(CHUNK, salt="acme:rereplicate")
     keys = keys_of(90, 1)
     c = fleet.client(ns)
+    lost = sum("node-0" in r for r in replicas(sorted(fleet.procs), keys, 2))
     try:
         put_all(c, ns, keys)
         fleet.procs["node-0"].kill9()
@@ -87,7 +93,9 @@ def test_rereplication_after_a_node_dies_keeps_every_chunk_through_a_second_deat
                  and all(fleet.holds("node-2", ns, keys)), 30, "every chunk on both survivors")
         copied = sum(fleet.metric(n, 'kvpool_repair_chunks_total{kind="rereplicate"}')
                      for n in ("node-1", "node-2"))
-        assert copied > 0
+        assert copied == lost > 0
+        assert sum(fleet.metric(n, "kvpool_repair_failures_total")
+                   for n in ("node-1", "node-2")) == 0
         fleet.procs["node-1"].kill9()
         assert read_hits(c, ns, keys) == (len(keys), 0)
     finally:

@@ -14,8 +14,11 @@ a temporary file, then renamed: a crash leaves the old or the new one), which th
 thread does every few seconds when something changed and once at stop; ``load()`` reads it at
 start. Keys PUT after the last save and before a kill -9 are not in it: those chunks are
 still served, only not copied by the node itself (a client's read repair still restores the
-hot ones). Entries of chunks no tier holds any more are pruned by the repair thread
-(``prune``). Without an SSD there is nothing to persist (a restart loses the data too).
+hot ones). Entries of chunks no tier holds any more (evicted, deleted, dropped for lack of
+room) are forgotten by the repair thread at each pass and whenever the catalog doubled since
+(``forget``), so it stays about as large as what the node stores (~100 bytes of memory and 32
+bytes of file per chunk). Without an SSD there is nothing to persist (a restart loses the data
+too).
 
 Failure contract: ``load`` ignores a missing file and logs and ignores a malformed one (an
 empty catalog); ``save`` logs an OSError and keeps the old file. Thread-safe.

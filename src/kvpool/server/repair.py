@@ -78,6 +78,9 @@ POLL_S = 0.2
 RETRY_S = 5.0
 #: The catalog is saved at most this often (when it changed).
 SAVE_EVERY_S = 10.0
+#: The catalog is pruned (entries of chunks no tier holds dropped) when it doubled since the
+#: last prune, and holds at least this many entries.
+PRUNE_MIN = 4096
 #: Keys per EXISTS probe and per placement computation.
 CHECK_BATCH = 1024
 #: Payload bytes per PUT a repair sends (at least one chunk).
@@ -208,9 +211,14 @@ class NodeRepair:
         drain_generation = -1  # catalog generation the last complete drain pass covered
         drain_copied = drain_failed = 0
         saved_at = time.monotonic()
+        pruned_size = len(self.catalog)
         while not self._stop.wait(POLL_S):
             now = time.monotonic()
             if now - saved_at >= SAVE_EVERY_S and self.catalog.dirty():
+                if len(self.catalog) > max(PRUNE_MIN, 2 * pruned_size):
+                    for _ in self._held_by_namespace():  # forgets what no tier holds
+                        pass
+                    pruned_size = len(self.catalog)
                 self.catalog.save()
                 saved_at = now
             view = self._view()
@@ -292,7 +300,9 @@ class NodeRepair:
                 continue
             try:
                 self.pool.register_namespace(ns)
-                held = self.pool.contains_many(ns, [e[0] for e in entries])
+                held = [h for i in range(0, len(entries), CHECK_BATCH)
+                        for h in self.pool.contains_many(
+                            ns, [e[0] for e in entries[i:i + CHECK_BATCH]])]
             except Exception as exc:  # closed pool, a namespace no tier fits any more
                 log.warning("repair skips namespace %s: %s", ns_id.hex(), exc)
                 continue
