@@ -207,3 +207,28 @@ def test_close_writes_dram_chunks_the_ssd_evicted_in_through_mode(tmp_path: Path
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         assert exact(pool, ns, [x]) == 1
+
+
+def test_a_touch_that_finds_the_engine_busy_is_queued_not_skipped(tmp_path: Path) -> None:
+    """A replica's TOUCH (pool.touch, on a node's event loop) never waits for the SSD
+    engine's lock: while another thread holds it the mark is queued (touch_deferred) and
+    applied before the next eviction, so the record is still copied forward. On main it was
+    skipped (touch_skipped) and the record dropped with its segment."""
+    engine = SsdEngine(tmp_path, 4 << 20, 1 << 20, "cache", eviction="second_chance")
+    try:
+        first = [key(i, b"f") for i in range(4)]
+        assert engine.put_many([(k, NS, payload_for(k, C)) for k in first]) == 4
+        with engine._lock:  # another thread's lock hold, as the touch sees it
+            touched = [engine.touch(k) for k in first[:2]]
+        assert touched == [False, False]
+        n = 0
+        while engine.stats()["segments_evicted"] == 0:
+            cold = [key(n + j, b"c") for j in range(8)]
+            assert engine.put_many([(k, NS, payload_for(k, C)) for k in cold]) == 8
+            n += 8
+        assert engine.contains_many(first, NS.id) == [True, True, False, False]
+        assert engine.stats()["touch_deferred"] == 2
+        out = np.zeros(C, np.uint8)
+        assert engine.get_into(first[0], out) and np.array_equal(out, payload_for(first[0], C))
+    finally:
+        engine.close()
