@@ -123,10 +123,10 @@ def test_hot_records_over_the_copy_forward_cap_are_counted_and_exported(
 
 
 def test_a_dram_victim_whose_ssd_record_was_evicted_is_written_back(tmp_path: Path) -> None:
-    """A chunk written through to the SSD stays in DRAM (pinned) while the SSD log turns
-    over twice with copy-forward off: its SSD record is gone. When DRAM evicts it, it is
-    written back (on main it was marked as held below and dropped), and a restart finds
-    it."""
+    """A chunk written through to the SSD stays in DRAM (pinned, never read through the pool)
+    while the SSD log turns over twice: its SSD record is gone. When DRAM
+    evicts it, it is written back (on main it was marked as held below and dropped), and a
+    restart finds it."""
     cfg = small_config(tmp_path, dram={"capacity": "1MiB", "slab_size": "256KiB",
                                        "eviction": "lru"},
                        ssd={"capacity": "4MiB", "segment_size": "1MiB",
@@ -137,14 +137,15 @@ def test_a_dram_victim_whose_ssd_record_was_evicted_is_written_back(tmp_path: Pa
         pool.register_namespace(ns)
         engine: SsdEngine = pool._stack.ssd.engine  # type: ignore[union-attr]
         assert pool.put(ns, x, payload_for(x, ns.chunk_bytes)) and pool.flush(30)
-        [view] = pool.pin_many(ns, [x])
-        assert view is not None
+        # pinned in DRAM by the tier itself: not a pool read, so the SSD record stays cold
+        held = pool._front.view(x)  # type: ignore[union-attr]
+        assert held is not None
         for i in range(0, 120, 8):
             cold = [key(i + j, b"c") for j in range(8)]
             assert pool.put_many(ns, cold, [payload_for(k, ns.chunk_bytes) for k in cold]) == 8
             assert pool.flush(30)
         assert not engine.contains(x, ns.id)  # evicted from the SSD while DRAM held it
-        view.release()
+        held.release()
         cold = [key(200, b"c")]  # least recently used now: DRAM evicts it for this one
         assert pool.put_many(ns, cold, [payload_for(k, ns.chunk_bytes) for k in cold]) == 1
         assert pool.flush(30)
@@ -155,6 +156,31 @@ def test_a_dram_victim_whose_ssd_record_was_evicted_is_written_back(tmp_path: Pa
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         assert exact(pool, ns, [x]) == 1
+
+
+def test_hot_records_the_cap_drops_are_written_back_from_dram(tmp_path: Path) -> None:
+    """A hot set put in one batch fills 80% of a segment, over ssd.copy_forward_fraction
+    (0.25): each eviction of its segment copies a quarter forward and drops the rest
+    (counted), and the pool writes those back from DRAM through the write-behind queue at
+    once, so the SSD keeps the whole hot set (what a kill -9 keeps) while the log turns over
+    4 times. Kept on the SSD at the end: 40 of 40; with the write-back off 12 (0.25), 25
+    (0.5), 40 (0.9, the same write amplification as the write-back); on main 0."""
+    cfg = config(tmp_path)
+    hot = [key(i, b"h") for i in range(HOT)]
+    with KVPool(cfg) as pool:
+        pool.register_namespace(NS)
+        put(pool, hot)
+        for r in range(ROUNDS):
+            put(pool, [key(8 * r + j, b"c") for j in range(8)])
+            read_from_dram(pool, hot, pin=False)
+            assert pool.flush(30)
+        stats = pool.stats()
+        assert stats["ssd"]["segments_evicted"] >= 12
+        assert stats["ssd"].get("hot_dropped", 0) > 0
+        assert stats["pool"].get("written_back", 0) > 0
+        engine: SsdEngine = pool._stack.ssd.engine  # type: ignore[union-attr]
+        on_ssd = sum(engine.contains_many(hot, NS.id))
+        assert on_ssd >= 0.95 * HOT, f"{on_ssd} of {HOT} hot chunks on the SSD"
 
 
 def test_close_writes_dram_chunks_the_ssd_evicted_in_through_mode(tmp_path: Path) -> None:
@@ -169,14 +195,40 @@ def test_close_writes_dram_chunks_the_ssd_evicted_in_through_mode(tmp_path: Path
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         assert pool.put(ns, x, payload_for(x, ns.chunk_bytes)) and pool.flush(30)
-        [view] = pool.pin_many(ns, [x])
-        assert view is not None
+        # pinned in DRAM by the tier itself: not a pool read, so the SSD record stays cold
+        held = pool._front.view(x)  # type: ignore[union-attr]
+        assert held is not None
         for i in range(0, 120, 8):
             cold = [key(i + j, b"c") for j in range(8)]
             assert pool.put_many(ns, cold, [payload_for(k, ns.chunk_bytes) for k in cold]) == 8
             assert pool.flush(30)
-        view.release()
+        held.release()
         assert not pool._stack.ssd.engine.contains(x, ns.id)  # type: ignore[union-attr]
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         assert exact(pool, ns, [x]) == 1
+
+
+def test_a_touch_that_finds_the_engine_busy_is_queued_not_skipped(tmp_path: Path) -> None:
+    """A replica's TOUCH (pool.touch, on a node's event loop) never waits for the SSD
+    engine's lock: while another thread holds it the mark is queued (touch_deferred) and
+    applied before the next eviction, so the record is still copied forward. On main it was
+    skipped (touch_skipped) and the record dropped with its segment."""
+    engine = SsdEngine(tmp_path, 4 << 20, 1 << 20, "cache", eviction="second_chance")
+    try:
+        first = [key(i, b"f") for i in range(4)]
+        assert engine.put_many([(k, NS, payload_for(k, C)) for k in first]) == 4
+        with engine._lock:  # another thread's lock hold, as the touch sees it
+            touched = [engine.touch(k) for k in first[:2]]
+        assert touched == [False, False]
+        n = 0
+        while engine.stats()["segments_evicted"] == 0:
+            cold = [key(n + j, b"c") for j in range(8)]
+            assert engine.put_many([(k, NS, payload_for(k, C)) for k in cold]) == 8
+            n += 8
+        assert engine.contains_many(first, NS.id) == [True, True, False, False]
+        assert engine.stats()["touch_deferred"] == 2
+        out = np.zeros(C, np.uint8)
+        assert engine.get_into(first[0], out) and np.array_equal(out, payload_for(first[0], C))
+    finally:
+        engine.close()

@@ -250,6 +250,8 @@ class KVPool:
                 held[i] = front.put(key, ns, view, on_lower=on_lower[i]) or held[i]
         if front is not None:
             front.note_put_batch([key for key, _, _, _ in items])
+            if self._stack.ack is not None:  # durable puts roll the SSD's log themselves
+                self._stack.write_back_dropped()
         if latency is not None:
             now = perf_counter()
             if front is not None:

@@ -434,6 +434,19 @@ class SsdEngine:
             finally:
                 self._lock.release()
 
+    def take_hot_dropped(self) -> list[bytes]:
+        """The keys of records read since written that segment eviction dropped because
+        they did not fit ``ssd.copy_forward_fraction`` (counted as hot_dropped), since the
+        last call, oldest first (at most the last ``log.HOT_DROPPED_KEYS``): what the pool
+        writes back from DRAM. Cheap when there are none (no lock); never raises."""
+        keys = self._log.hot_dropped_keys
+        if not keys:
+            return []
+        with self._lock:
+            taken = list(keys)
+            keys.clear()
+        return taken
+
     def _apply_marks(self, max_keys: int | None) -> None:
         """Mark up to ``max_keys`` queued reads hot in the index (all: None). Lock held."""
         keys = self._marks.take(max_keys)

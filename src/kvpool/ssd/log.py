@@ -47,6 +47,9 @@ from kvpool.ssd.writer import MAX_IOV, Pending, pwritev_all
 log = logging.getLogger("kvpool.ssd")
 
 FREE, ACTIVE, SEALED = 0, 1, 2
+#: How many keys of hot records dropped over the copy-forward budget are remembered for the
+#: pool to write back from DRAM.
+HOT_DROPPED_KEYS = 1 << 14
 
 
 @dataclass(slots=True)
@@ -97,6 +100,9 @@ class SegmentLog:
         self._active = -1
         self._rolling = False
         self._hot_dropped = 0  # of the roll in progress, for its log line
+        #: Keys of hot records dropped over the copy-forward budget, newest last, for the
+        #: pool to write back from DRAM (SsdEngine.take_hot_dropped); the oldest go first.
+        self.hot_dropped_keys: deque[bytes] = deque(maxlen=HOT_DROPPED_KEYS)
         self._closed = False
         self._seq = 0
 
@@ -270,8 +276,11 @@ class SegmentLog:
         picked = self._policy.copy_forward(hot, blocks_col[slots].astype(np.int64),
                                            self._forward_budget_blocks)
         # read since written but over the copy-forward budget: dropped although hot
-        self._hot_dropped = max(0, int(np.count_nonzero(hot)) - int(picked.size))
+        over = np.flatnonzero(hot)
+        over = over[~np.isin(over, picked)]
+        self._hot_dropped = int(over.size)
         self._counters.add("hot_dropped", self._hot_dropped)
+        self.hot_dropped_keys.extend(self._index.key_at(int(slot)) for slot in slots[over])
         ns_col = self._index.column("ns_index")
         return victim, [(self._index.key_at(int(slot)), int(ns_col[slot]),
                          int(block_col[slot]) * BLOCK, int(blocks_col[slot]) * BLOCK)
@@ -328,6 +337,7 @@ class SegmentLog:
                 # the budget is a fraction: rare
                 self._counters.add_many({"records_evicted": 1, "hot_dropped": 1})
                 self._hot_dropped += 1
+                self.hot_dropped_keys.append(key)
                 continue
             new = RecordHeader(key, old.namespace_id, old.layout_id, old.payload_len,
                                self._next_seq(), old.checksum, old.flags)

@@ -77,6 +77,33 @@ class Demoter:
         for target in self._targets:
             target.put_many([(key, ns, payload)])
 
+    def write_back(self, front: DramTier, keys: Sequence[bytes]) -> int:
+        """Offer the chunks ``front`` still holds among ``keys`` (records the SSD dropped
+        although they were read: over the copy-forward budget) to the targets, as the
+        admission policy allows, counted as ``written_back``. Returns how many were offered;
+        a closed tier ends it early, nothing is raised for it."""
+        if not self._targets:
+            return 0
+        offered = 0
+        try:
+            for key in keys:
+                found = front.view_to_copy(key)
+                if found is None:
+                    continue
+                ns, hits, view = found
+                try:
+                    if self._admission.admit(key, hits):
+                        for target in self._targets:
+                            target.put_many([(key, ns, view.data)])
+                        offered += 1
+                finally:
+                    view.release()
+        except PoolClosedError:
+            pass
+        if offered:
+            self.demoted.add_many({"demotions": offered, "written_back": offered})
+        return offered
+
 
 @dataclass
 class TierStack:
@@ -100,6 +127,16 @@ class TierStack:
     drain_batch: int = 16
     #: The DRAM tier's demotion sink (None without DRAM).
     demoter: Demoter | None = None
+
+    def write_back_dropped(self) -> int:
+        """Write back, through the SSD's write-behind queue, the chunks DRAM holds whose SSD
+        records were dropped over the copy-forward budget (``SsdEngine.take_hot_dropped``),
+        so a restart finds them; costs a length check when there are none. Returns how
+        many were offered; never raises."""
+        if self.demoter is None or self.front is None or self.ssd is None:
+            return 0
+        keys = self.ssd.engine.take_hot_dropped()
+        return self.demoter.write_back(self.front, keys) if keys else 0
 
     def lower(self) -> list[Tier]:
         return [t for t in self.tiers if t is not self.front]
@@ -221,6 +258,8 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
 
             demoter = Demoter(admission, [ssd_staging] if ssd_staging is not None else [],
                               holds)
+            if ssd_staging is not None:  # the queue's writes are what roll the SSD's log
+                ssd_staging.after_batch = stack.write_back_dropped
             stack.demoter = demoter
             stack.front = DramTier(d.capacity, d.slab_size, d.eviction, d.shm_path,
                                    demote=demoter, put_wait_s=d.put_wait_s,
