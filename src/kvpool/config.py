@@ -178,7 +178,7 @@ class PoolConfig(_Section):
 
     ssd_write: Literal["evict", "through"] = Field("through", description="through: every put is also written to SSD, so a restart keeps it: through the write-behind queue in cache mode (a kill -9 may lose what is still queued, typically milliseconds of saves), synchronously with ssd.durability: durable. evict: only DRAM victims (as ssd.admission allows) are demoted to SSD, and close writes what only DRAM holds (pool.close_drain_s); a kill loses every DRAM-only chunk.")
     background_nice: int = Field(10, ge=0, le=19, description="Nice value added to the pool's background threads (the SSD and cluster write-behind queues, the mover's prefetches and promotions; Linux, per thread), so an engine's own threads get the cores first; such a thread still gets its share of a core, so its work completes, later under full load (a queue that fills meanwhile drops saves, counted). 0: equal priority.")
-    close_drain_s: float = Field(10.0, ge=0, description="With ssd_write: evict, how long close may spend writing the chunks only DRAM holds to the SSD (oldest first); what is left is lost, with a warning. 0: write nothing.")
+    close_drain_s: float = Field(10.0, ge=0, description="How long close may spend writing the DRAM chunks the SSD lacks to it (oldest first): with ssd_write: evict every chunk only DRAM holds; in either mode a chunk whose SSD record was evicted while DRAM served it, or whose write-through save was dropped. What is left is lost, with a warning. 0: write nothing.")
     write_behind_bytes: Size = Field(256 << 20, description="Staging memory for chunks on their way to SSD; when full, further saves to SSD are dropped (counted), never waited for.")
     write_behind_batch: int = Field(16, ge=1, description="Chunks written to SSD per batch by the write-behind worker.")
     promote_on_hit: bool = Field(True, description="Copy an SSD hit up into DRAM.")
@@ -257,6 +257,9 @@ class ClusterConfig(_Section):
     touch_threads: int = Field(2, ge=1, le=64, description="Threads sending TOUCHes to the replicas a read did not fetch from (off the read path).")
     touch_max_keys: int = Field(65536, ge=1, description="Touch keys queued per node; beyond it touches are dropped (counted as touch_dropped).")
     touch_batch_keys: int = Field(4096, ge=1, description="Keys per TOUCH request; keep it under the nodes' server.max_keys.")
+    read_repair_bytes: Size = Field(64 << 20, description="Client read repair: bytes of chunks queued to be written back to a replica a read found without them (sent by a background thread); full = the repair is dropped (counted as read_repair_dropped). 0 turns read repair off.")
+    repair_bytes_per_s: Size = Field(64 << 20, description="Node re-replication and drain copying (docs/cluster.md): chunk bytes per second a node sends to its peers (token bucket). 0 turns node-side repair off.")
+    repair_delay_s: float = Field(3.0, ge=0, description="A node starts re-replicating this long after the last membership change it saw (joins, leaves, drains): a burst of changes costs one pass.")
 
     @property
     def enabled(self) -> bool:

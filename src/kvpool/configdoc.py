@@ -81,7 +81,8 @@ LOG_EVENTS_SECTION = [
     "| `node_drained`, `node_undrained` | info | kvpool.cluster.etcd_membership | `cluster`, "
     "`node`: `kvpool admin drain` / `undrain` as a client's membership saw it (the first "
     "read included) |",
-    "| `segment_evicted` | info | kvpool.ssd | `segment`, `records_dropped`, "
+    "| `segment_evicted` | info | kvpool.ssd | `segment`, `records_dropped`, `hot_dropped` "
+    "(of them, records read since written but over `ssd.copy_forward_fraction`), "
     "`copied_forward` |",
     "| `checksum_failure` | warning | kvpool.ssd | `segment`, `offset` (bytes into the "
     "segment), `key_prefix` (first 4 bytes, hex), `reason`, `held_back`: at most one line "

@@ -103,6 +103,10 @@ class KVPool:
         self._front = self._stack.front
         # the write-through tiers with their places in the read order (latency labels)
         self._through = [(self._tiers.index(t), t) for t in self._stack.through]
+        # DRAM hits reported to the SSD, so its eviction keeps what DRAM serves (a restart
+        # empties DRAM): None without DRAM or SSD
+        self._note_reads = self._stack.ssd.engine.note_reads \
+            if self._front is not None and self._stack.ssd is not None else None
         # recorded into while on (None: off); exported once it has been on
         self._latency_recorder = OpLatency([t.label for t in self._tiers])
         self._latency: OpLatency | None = None
@@ -246,6 +250,8 @@ class KVPool:
                 held[i] = front.put(key, ns, view, on_lower=on_lower[i]) or held[i]
         if front is not None:
             front.note_put_batch([key for key, _, _, _ in items])
+            if self._stack.ack is not None:  # durable puts roll the SSD's log themselves
+                self._stack.write_back_dropped()
         if latency is not None:
             now = perf_counter()
             if front is not None:
@@ -299,7 +305,9 @@ class KVPool:
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
         """Copy a chunk's payload into ``out`` (exactly ns.chunk_bytes, writable). False on a
-        miss; on a miss the contents of ``out`` are unspecified."""
+        miss; on a miss the contents of ``out`` are unspecified. A chunk served from DRAM
+        also counts as a read of its SSD record (``SsdEngine.note_reads``), so the SSD's
+        segment eviction copies it forward rather than dropping what DRAM serves."""
         return self.get_many_into(ns, [key], [out])[0]
 
     def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
@@ -316,6 +324,11 @@ class KVPool:
         timings: list[float] | None = [] if self._latency is not None else None
         counts: dict[str, int] = {}
         served = read_tiers(self._tiers, ns, keys, views, counts, timings)
+        if self._note_reads is not None:
+            from_dram = served.count(0)  # the front is tier 0
+            if from_dram:
+                self._note_reads(keys if from_dram == len(keys) else
+                                 [k for k, tier in zip(keys, served, strict=True) if tier == 0])
         misses = served.count(-1)
         if misses:
             counts["misses"] = misses
@@ -362,6 +375,9 @@ class KVPool:
         views = [self._front.view(key, ns.id, count_miss=False) for key in keys]
         pinned_s = perf_counter() - started
         pinned = sum(v is not None for v in views)
+        if pinned and self._note_reads is not None:
+            self._note_reads(keys if pinned == len(keys) else
+                             [k for k, v in zip(keys, views, strict=True) if v is not None])
         self._counters.add_many({"dram_hits": pinned, "dram_hit_bytes": pinned * ns.chunk_bytes,
                                  "dram_hit_tokens": pinned * ns.layout.chunk_tokens})
         if fetch and self._mover is not None:
@@ -435,12 +451,32 @@ class KVPool:
         self._registered(ns, keys)
         return self._held_locally(ns.id, keys, stop_at_miss=False)
 
+    def resident_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: does the DRAM tier hold it now (all False without DRAM)? For a node's
+        repair, which copies the chunks DRAM serves first. Same checks as contains."""
+        self._registered(ns, keys)
+        if self._front is None:
+            return [False] * len(keys)
+        return list(self._front.contains_many(keys, ns.id))
+
+    def peek_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                       outs: Sequence[Any]) -> list[bool]:
+        """get_many_into without its side effects on the pool's figures and placement: no
+        hit or miss counts, no latency, no promotion into DRAM (a node's repair reads every
+        chunk it copies, and must not evict the hot set for cold ones). Same errors."""
+        self._registered(ns, keys)
+        check_same_length(keys, outs, "outs")
+        views = [byte_view(o, writable=True) for o in outs]
+        for view in views:
+            check_size(ns, view, "output buffer")
+        return [tier >= 0 for tier in read_tiers(self._tiers, ns, keys, views, None)]
+
     def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Count ``keys`` as just read, without moving bytes: the DRAM eviction policy sees a
         hit and the SSD index marks them hot (copied forward when their segment is evicted).
         A storage node does this for its replica copies that another replica served, on its
-        event loop: no tier waits (the SSD index is skipped, counted as ssd touch_skipped,
-        while another thread holds its lock). Returns how many keys a tier touched; keys
+        event loop: no tier waits (while another thread holds the SSD index's lock the mark
+        is queued for it, counted as ssd touch_deferred). Returns how many keys a tier touched; keys
         held nowhere are ignored. Same checks as lookup."""
         self._registered(ns, keys)
         touched = [False] * len(keys)

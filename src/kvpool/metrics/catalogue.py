@@ -61,6 +61,13 @@ def _specs() -> list[MetricSpec]:
         MetricSpec("kvpool_ssd_segments_evicted_total", "counter", "SSD segments freed."),
         MetricSpec("kvpool_ssd_copied_forward_total", "counter",
                    "Records copied forward when their SSD segment was evicted."),
+        MetricSpec("kvpool_ssd_hot_dropped_total", "counter",
+                   "Records read since written (DRAM hits and replica touches included) "
+                   "dropped with their SSD segment because they exceeded "
+                   "ssd.copy_forward_fraction."),
+        MetricSpec("kvpool_ssd_written_back_total", "counter",
+                   "DRAM victims written back to the SSD because their SSD record had been "
+                   "evicted while DRAM served them."),
         MetricSpec("kvpool_ssd_write_amplification", "gauge",
                    "Record bytes written to the SSD log (headers, padding, copy-forward) / "
                    "payload bytes put; 0 before the first put."),
@@ -112,6 +119,17 @@ def _specs() -> list[MetricSpec]:
                    "(expected but not registered; kvpool admin forget removes one), draining. "
                    "A node without etcd counts itself, live.",
                    ("state",), s),
+        MetricSpec("kvpool_repair_chunks_total", "counter",
+                   "Chunks copied to a replica that lacked them: kind=read (a client's read "
+                   "repair), rereplicate (a node, after a membership change), drain (a "
+                   "drained node emptying itself).", ("kind",), s),
+        MetricSpec("kvpool_repair_bytes_total", "counter",
+                   "Bytes of the chunks kvpool_repair_chunks_total counts.", (), s),
+        MetricSpec("kvpool_repair_pending_chunks", "gauge",
+                   "Chunks a node found a peer lacking and has not copied yet.", (), s),
+        MetricSpec("kvpool_repair_failures_total", "counter",
+                   "Repair copies that failed (peer down or refusing, read error) or were "
+                   "dropped (a client's full read-repair queue).", (), s),
         MetricSpec("kvpool_engine_lookup_tokens_total", "counter",
                    "Prompt tokens the engine looked up, result hit or miss.",
                    ("engine", "result"), e),

@@ -71,6 +71,7 @@ def pool_counters(out: Families, stats: Stats, tiers: Sequence[tuple[str, str]])
     out.add("kvpool_prefetched_total", pool["prefetched"])
     out.add("kvpool_warmed_total", pool["warmed"])
     out.add("kvpool_demotions_total", pool.get("demotions", 0))
+    out.add("kvpool_ssd_written_back_total", pool.get("written_back", 0))
     out.add("kvpool_queue_depth", pool.get("mover_pending", 0), "mover")
 
 
@@ -101,6 +102,7 @@ def tier_counters(out: Families, stats: Stats) -> None:
         out.add("kvpool_evictions_total", ssd["records_evicted"], "ssd")
         out.add("kvpool_ssd_segments_evicted_total", ssd["segments_evicted"])
         out.add("kvpool_ssd_copied_forward_total", ssd["copied_forward"])
+        out.add("kvpool_ssd_hot_dropped_total", ssd.get("hot_dropped", 0))
         put_bytes = ssd["put_bytes"]
         out.add("kvpool_ssd_write_amplification",
                 ssd.get("log_bytes", 0) / put_bytes if put_bytes else 0.0)
@@ -117,6 +119,11 @@ def remote_metrics(out: Families, stats: Stats) -> None:
         return
     out.add("kvpool_written_bytes_total", client.get("put_bytes", 0), "remote")
     out.add("kvpool_remote_errors_total", client.get("remote_errors", 0))
+    if "read_repair_chunks" in client:  # a client's read repair (net/read_repair.py)
+        out.add("kvpool_repair_chunks_total", client["read_repair_chunks"], "read")
+        out.add("kvpool_repair_bytes_total", client.get("read_repair_bytes", 0))
+        out.add("kvpool_repair_failures_total", client.get("read_repair_failures", 0)
+                + client.get("read_repair_dropped", 0))
     down = set(client.get("down_nodes", ()))
     for node in sorted(set(client.get("live_nodes", ())) | down):
         out.add("kvpool_node_up", 0 if node in down else 1, node)

@@ -44,6 +44,7 @@ from kvpool.keys import Namespace
 from kvpool.net.connection import NodeConnection, NodePool
 from kvpool.net.placement import holders, replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
+from kvpool.net.read_repair import ReadRepairer
 from kvpool.net.touch import ReplicaToucher
 
 log = logging.getLogger("kvpool.cluster")
@@ -76,6 +77,10 @@ class ClusterClient:
         self._toucher = ReplicaToucher(
             lambda node_id, ns, keys: self._safe(node_id, _touch_job(ns, keys)) is not None,
             cfg.touch_threads, cfg.touch_max_keys, cfg.touch_batch_keys)
+        self._repairer = ReadRepairer(
+            lambda node_id, ns, keys, datas: self._safe(node_id, _put_job(ns, keys, datas,
+                                                                          cfg.batch_bytes)),
+            cfg.read_repair_bytes)
 
     # ------------------------------------------------------------------ nodes
     def live_nodes(self) -> list[str]:
@@ -144,9 +149,23 @@ class ClusterClient:
         if pool is None:
             return None
         try:  # take / give_back rather than a generator context manager: per-request path
-            conn = pool.take()
+            conn, reused = pool.take_reused()
             try:
                 result = fn(conn)
+            except ConnectionError:
+                conn.close()
+                if not reused:
+                    raise
+                # An idle connection the node closed (it restarted): so are the others. Once
+                # more on a new connection; reads and puts of content-addressed chunks may be
+                # repeated.
+                pool.close()
+                conn = pool.take()
+                try:
+                    result = fn(conn)
+                except BaseException:
+                    conn.close()
+                    raise
             except BaseException:
                 conn.close()
                 raise
@@ -245,6 +264,7 @@ class ClusterClient:
         placement = self._placement(ns, keys)
         touches = _replica_touches(keys, placement)
         found = [False] * len(keys)
+        lacking: list[tuple[int, str]] = []  # (key index, live node that answered "not held")
         for rank in range(max((len(p) for p in placement), default=0)):
             per_node: defaultdict[str, list[int]] = defaultdict(list)
             for i, nodes in enumerate(placement):
@@ -270,9 +290,22 @@ class ClusterClient:
                     continue
                 for i, hit in zip(per_node[node_id], got, strict=True):
                     found[i] = hit
+                    if not hit:
+                        lacking.append((i, node_id))
+        if lacking and self._repairer.enabled:
+            self._read_repair(ns, keys, views, found, lacking)
         hits = sum(found)
         self._counters.add_many({"get_hits": hits, "get_misses": len(keys) - hits})
         return found
+
+    def _read_repair(self, ns: Namespace, keys: Sequence[bytes], views: list[memoryview],
+                     found: list[bool], lacking: list[tuple[int, str]]) -> None:
+        """Queue each chunk a later replica served for the (undrained) replicas that
+        answered without it (net/read_repair.py: copied now, sent in the background)."""
+        drained = self.drained_nodes()
+        for i, node_id in lacking:
+            if found[i] and node_id not in drained:
+                self._repairer.offer(node_id, ns, keys[i], views[i])
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]]) -> int:
@@ -323,12 +356,15 @@ class ClusterClient:
             down = sorted(n for n, t in self._down_until.items() if t > time.monotonic())
         out: dict[str, Any] = self._counters.snapshot()
         out.update(self._toucher.counters)
+        out.update(self._repairer.counters.snapshot(),
+                   read_repair_pending_bytes=self._repairer.pending_bytes())
         out.update(live_nodes=self.live_nodes(), down_nodes=down,
                    drained_nodes=sorted(self.drained_nodes()),
                    touch_pending=self._toucher.pending())
         return out
 
     def close(self) -> None:
+        self._repairer.close()
         self._toucher.close()
         self._fanout.shutdown(wait=True)
         with self._lock:

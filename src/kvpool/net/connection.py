@@ -303,10 +303,15 @@ class NodePool:
     def take(self) -> NodeConnection:
         """An idle connection, or a new one (raises OSError when the node refuses it). Hand
         it back with ``give_back`` after a clean exchange; close it after any failure."""
+        return self.take_reused()[0]
+
+    def take_reused(self) -> tuple[NodeConnection, bool]:
+        """``take``, and whether the connection was an idle one (it may have been closed by
+        the node since: a restarted node closed them all)."""
         with self._lock:
             if self._idle:
-                return self._idle.pop()
-        return NodeConnection(self.address, *self._args)
+                return self._idle.pop(), True
+        return NodeConnection(self.address, *self._args), False
 
     def give_back(self, conn: NodeConnection) -> None:
         """Keep ``conn`` for the next exchange (closed when the pool is full)."""

@@ -40,7 +40,8 @@ from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, log_fd_limits, raise_fd_limit
 from kvpool.server.connection import Connection
-from kvpool.server.store import NodeStore
+from kvpool.server.repair import NodeRepair, RepairCollector, start_node_repair
+from kvpool.server.store import NodeStore, scoped_chunk_key
 from kvpool.server.traffic import Traffic
 
 log = logging.getLogger("kvpool.serve")
@@ -90,6 +91,8 @@ class StorageNode:
         self.exit_status = 0  # 2 once another node took this node id (registration lost)
         self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
                                                    self._metrics_state, self.traffic.latency))
+        self._repair: NodeRepair | None = None  # re-replication and drain copying (repair.py)
+        self.pool.metrics.register(RepairCollector(lambda: self._repair))
         self.metrics_server: MetricsServer | None = None
         if srv.metrics_port is not None:
             try:
@@ -201,6 +204,7 @@ class StorageNode:
         except BaseException:
             await self._release()
             raise
+        self._start_repair()
         accept = asyncio.create_task(self._accept_loop())
         sweeper = asyncio.create_task(self._sweep_idle())
         metrics = f", metrics on port {self.metrics_server.port}" if self.metrics_server else ""
@@ -258,12 +262,25 @@ class StorageNode:
         self.exit_status = 2
         self._loop.call_soon_threadsafe(self._stop.set)
 
+    def _start_repair(self) -> None:
+        """Start the repair thread (with etcd; server/repair.py) and let PUTs note their keys
+        in its catalog. A failure to start it is logged: the node serves without it."""
+        try:
+            self._repair = start_node_repair(self.config, self.node_id, self.pool,
+                                             self._drain_watch, scoped_chunk_key)
+        except Exception:
+            log.exception("repair not started")
+        if self._repair is not None:
+            self.store.catalog = self._repair.catalog
+
     async def _shutdown(self, accept: asyncio.Task[None], registration: Any) -> None:
         self.traffic.draining = True
         accept.cancel()
         self.listener.close()
         if registration is not None:
             await asyncio.get_running_loop().run_in_executor(None, registration.close)
+        if self._repair is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._repair.close)
         deadline = time.monotonic() + self.config.server.drain_timeout_s
         while self.traffic.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

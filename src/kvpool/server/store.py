@@ -52,6 +52,7 @@ from kvpool.keys import Namespace
 from kvpool.net.protocol import FEATURES, ProtocolError, Status
 from kvpool.pool import ChunkReservation, KVPool
 from kvpool.server.auth import Authenticator
+from kvpool.server.catalog import KeyCatalog
 from kvpool.server.registry import NamespaceRegistry, RegistryFull
 from kvpool.server.tenants import TenantCounters
 from kvpool.tiers.dram import PinnedView
@@ -157,6 +158,8 @@ class NodeStore:
         self.started = time.time()
         #: Where ``drained`` is read from: node.py sets it to this node's flag in etcd.
         self.drain_flag: Callable[[], bool] = lambda: False
+        #: Where PUTs note their client keys for the node's repair (server/catalog.py).
+        self.catalog: KeyCatalog | None = None
         self._executor = executor
         self._sessions: set[Session] = set()
 
@@ -297,7 +300,10 @@ class NodeStore:
         if payload_len != len(keys) * ns.chunk_bytes:
             raise ProtocolError(f"PUT payload of {payload_len} bytes is not {len(keys)} "
                                 f"chunks of {ns.chunk_bytes}")
-        return ns, scoped_chunk_keys(ns_id, keys)
+        scoped = scoped_chunk_keys(ns_id, keys)
+        if self.catalog is not None:
+            self.catalog.note(ns, keys, scoped)
+        return ns, scoped
 
     def _reserve(self, ns: Namespace, scoped: list[bytes]) -> PutBatch:
         """Slots for every chunk (waiting for pinned ones; no slot: dropped, as stored)."""

@@ -48,6 +48,7 @@ from kvpool.ssd.directio import DirectMode, ThreadBuffers
 from kvpool.ssd.index import CompactIndex, Location, NamespaceIds
 from kvpool.ssd.log import SegmentLog
 from kvpool.ssd.reader import plan_runs
+from kvpool.ssd.recency import ReadMarks
 from kvpool.ssd.recovery import scan_media
 from kvpool.ssd.segments import SegmentStore, check_geometry
 from kvpool.ssd.writer import Pending, write_batch
@@ -108,7 +109,9 @@ class SsdEngine:
             "puts", "put_bytes", "gets", "hits", "misses", "checksum_failures", "stale_reads",
             "io_errors", "segments_evicted", "records_evicted", "copied_forward",
             "torn_discarded", "deletes", "namespace_mismatch", "coalesced_reads",
-            "coalesced_records")
+            "coalesced_records", "hot_dropped", "marked_reads")
+        # reads served above the SSD (DRAM hits, replica touches), for copy-forward
+        self._marks = ReadMarks()
         self._checks = ReadChecks(self._store, self._tls, self._pieces, self._counters,
                                   self._lock, self._index, self._ns, self._pipeline_min,
                                   self._piece)
@@ -116,7 +119,7 @@ class SsdEngine:
             # The log shares the engine lock (through _cond), the index and the counters.
             self._log = SegmentLog(self._store, self._index, self._cond, policy,
                                    forward_budget_blocks, durability == "durable",
-                                   self._counters)
+                                   self._counters, self._marks)
             self._recover()
         except BaseException:
             self._io.shutdown(wait=True)
@@ -385,7 +388,8 @@ class SsdEngine:
                        capacity_bytes=self._store.count * self.segment_size,
                        segments=self._store.count, free_segments=len(self._log.free),
                        index_bytes=self._index.nbytes(), direct_io=self._store.direct,
-                       durability=self.durability)
+                       durability=self.durability, marks_queued=len(self._marks),
+                       marks_dropped=self._marks.dropped)
         return out
 
     def close(self) -> None:
@@ -402,15 +406,49 @@ class SsdEngine:
 
     def touch(self, key: bytes) -> bool:
         """Mark a chunk as read (copied forward by second_chance eviction) without reading
-        it. Never waits: False if absent, closed, or the engine's lock is held right now
-        (briefly: no IO runs under it); a skipped touch is counted (touch_skipped), since
-        touches are best effort."""
+        it. Never waits: False if absent or closed; while another thread holds the engine's
+        lock the mark is queued instead (``note_reads``; counted as touch_deferred) and
+        False returned, since whether the key is indexed is then not known."""
         if self._closed:
             return False
         if not self._lock.acquire(blocking=False):
-            self._counters.add("touch_skipped")
+            self._counters.add("touch_deferred")
+            self.note_reads([key])
             return False
         try:
             return self._index.get(key, mark_hot=True) is not None
         finally:
             self._lock.release()
+
+    def note_reads(self, keys: Sequence[bytes]) -> None:
+        """Count reads of ``keys`` served above the SSD (DRAM hits, a replica's TOUCH) so
+        second_chance eviction copies their records forward like records read here. Costs
+        the caller a lock-free append (ssd/recency.py); every ``ReadMarks.batch`` keys the
+        caller applies a batch to the index if the lock is free at once (it never waits),
+        and a segment roll applies every queued mark before it picks its victim. Keys not
+        indexed (or of another namespace) are ignored; never raises, a no-op once closed."""
+        if keys and not self._closed and self._marks.add(keys) \
+                and self._lock.acquire(blocking=False):
+            try:
+                self._apply_marks(self._marks.batch)
+            finally:
+                self._lock.release()
+
+    def take_hot_dropped(self) -> list[bytes]:
+        """The keys of records read since written that segment eviction dropped because
+        they did not fit ``ssd.copy_forward_fraction`` (counted as hot_dropped), since the
+        last call, oldest first (at most the last ``log.HOT_DROPPED_KEYS``): what the pool
+        writes back from DRAM. Cheap when there are none (no lock); never raises."""
+        keys = self._log.hot_dropped_keys
+        if not keys:
+            return []
+        with self._lock:
+            taken = list(keys)
+            keys.clear()
+        return taken
+
+    def _apply_marks(self, max_keys: int | None) -> None:
+        """Mark up to ``max_keys`` queued reads hot in the index (all: None). Lock held."""
+        keys = self._marks.take(max_keys)
+        if keys:
+            self._counters.add("marked_reads", self._index.mark_hot_many(keys))

@@ -130,6 +130,30 @@ class CompactIndex:
                     i = 0
         return found
 
+    def mark_hot_many(self, keys: Iterable[bytes]) -> int:
+        """Record a read of each key for copy-forward (``get(key, mark_hot=True)`` without
+        building its Location); returns how many were indexed."""
+        cap, k0, k1, blocks, hot = self._cap, self._k0, self._k1, self._blocks, self._hot
+        marked = 0
+        for key in keys:
+            try:
+                a, b = _KEY_HALVES(key)
+            except struct.error:
+                continue  # not 16 bytes: never indexed
+            i = a % cap
+            while True:
+                n = blocks[i]
+                if n == _EMPTY:
+                    break
+                if n != _DELETED and k0[i] == a and k1[i] == b:
+                    hot[i] = 1
+                    marked += 1
+                    break
+                i += 1
+                if i == cap:
+                    i = 0
+        return marked
+
     def ns_index_of(self, key: bytes) -> int:
         """The key's namespace index, or -1 if it is not indexed."""
         i = self._find(*self._split(key))

@@ -39,6 +39,7 @@ from kvpool.record import (
 from kvpool.ssd import summary
 from kvpool.ssd.directio import aligned_buffer
 from kvpool.ssd.index import CompactIndex
+from kvpool.ssd.recency import ReadMarks
 from kvpool.ssd.recovery import Scan
 from kvpool.ssd.segments import SegmentHeader, SegmentStore
 from kvpool.ssd.writer import MAX_IOV, Pending, pwritev_all
@@ -46,6 +47,9 @@ from kvpool.ssd.writer import MAX_IOV, Pending, pwritev_all
 log = logging.getLogger("kvpool.ssd")
 
 FREE, ACTIVE, SEALED = 0, 1, 2
+#: How many keys of hot records dropped over the copy-forward budget are remembered for the
+#: pool to write back from DRAM.
+HOT_DROPPED_KEYS = 1 << 14
 
 
 @dataclass(slots=True)
@@ -81,7 +85,7 @@ class SegmentLog:
 
     def __init__(self, store: SegmentStore, index: CompactIndex, cond: threading.Condition,
                  policy: SegmentPolicy, forward_budget_blocks: int, durable: bool,
-                 counters: Counters) -> None:
+                 counters: Counters, marks: ReadMarks | None = None) -> None:
         self._store = store
         self._index = index
         self._cond = cond
@@ -89,11 +93,16 @@ class SegmentLog:
         self._forward_budget_blocks = forward_budget_blocks
         self._durable = durable
         self._counters = counters
+        self._marks = marks
         self.segments = [Segment() for _ in range(store.count)]
         self.fifo: deque[int] = deque()  # sealed segments, oldest first
         self.free: list[int] = []
         self._active = -1
         self._rolling = False
+        self._hot_dropped = 0  # of the roll in progress, for its log line
+        #: Keys of hot records dropped over the copy-forward budget, newest last, for the
+        #: pool to write back from DRAM (SsdEngine.take_hot_dropped); the oldest go first.
+        self.hot_dropped_keys: deque[bytes] = deque(maxlen=HOT_DROPPED_KEYS)
         self._closed = False
         self._seq = 0
 
@@ -198,10 +207,12 @@ class SegmentLog:
             placed = self._place_forward(seg, forward)
             self._cond.release()
             if victim >= 0:  # logged off the lock: readers do not wait for the log's IO
-                log.info("ssd: evicted segment %d: %d records dropped, %d copied forward",
-                         victim, dropped, len(forward),
+                log.info("ssd: evicted segment %d: %d records dropped (%d of them read since "
+                         "written: over ssd.copy_forward_fraction), %d copied forward",
+                         victim, dropped, self._hot_dropped, len(placed),
                          extra={"event": "segment_evicted", "segment": victim,
-                                "records_dropped": dropped, "copied_forward": len(forward)})
+                                "records_dropped": dropped, "hot_dropped": self._hot_dropped,
+                                "copied_forward": len(placed)})
             try:
                 landed = self._write_head(seg_no, seg.start_seq, placed)
             except BaseException:
@@ -252,15 +263,24 @@ class SegmentLog:
         victim = self.fifo.popleft()
         while self.segments[victim].inflight:
             self._cond.wait()
+        if self._marks is not None and len(self._marks):  # reads served above the SSD
+            self._counters.add("marked_reads",
+                               self._index.mark_hot_many(self._marks.take()))
         block_col, blocks_col = self._index.column("block"), self._index.column("blocks")
         slots = self._index.slots_where(segment=victim)
         # in write order (the index's slots are in hash order): the budget then keeps the
         # oldest hot records, a prefix's head before its tail, and the forwarded records are
         # rewritten in the order they were written, so a prefix stays one coalesced read
         slots = slots[np.argsort(block_col[slots], kind="stable")]
-        picked = self._policy.copy_forward(self._index.column("hot")[slots].astype(bool),
-                                           blocks_col[slots].astype(np.int64),
+        hot = self._index.column("hot")[slots].astype(bool)
+        picked = self._policy.copy_forward(hot, blocks_col[slots].astype(np.int64),
                                            self._forward_budget_blocks)
+        # read since written but over the copy-forward budget: dropped although hot
+        over = np.flatnonzero(hot)
+        over = over[~np.isin(over, picked)]
+        self._hot_dropped = int(over.size)
+        self._counters.add("hot_dropped", self._hot_dropped)
+        self.hot_dropped_keys.extend(self._index.key_at(int(slot)) for slot in slots[over])
         ns_col = self._index.column("ns_index")
         return victim, [(self._index.key_at(int(slot)), int(ns_col[slot]),
                          int(block_col[slot]) * BLOCK, int(blocks_col[slot]) * BLOCK)
@@ -314,7 +334,10 @@ class SegmentLog:
         for key, ns_index, buf in forward:
             old = unpack_header(buf)
             if not seg.fits(len(buf), old.namespace_id, self._store.segment_size):
-                self._counters.add("records_evicted")  # the budget is a fraction: rare
+                # the budget is a fraction: rare
+                self._counters.add_many({"records_evicted": 1, "hot_dropped": 1})
+                self._hot_dropped += 1
+                self.hot_dropped_keys.append(key)
                 continue
             new = RecordHeader(key, old.namespace_id, old.layout_id, old.payload_len,
                                self._next_seq(), old.checksum, old.flags)

@@ -227,7 +227,7 @@ class DramTier:
 
     # ------------------------------------------------------------------ reads
     def _pin(self, key: bytes, namespace_id: bytes | None,
-             count_miss: bool = True) -> _Entry | None:
+             count_miss: bool = True, count_hit: bool = True) -> _Entry | None:
         with self._lock:
             self._check_open()
             entry = self._entries.get(key)
@@ -238,9 +238,10 @@ class DramTier:
                         self._counters["namespace_mismatches"] += 1
                 return None
             entry.pins += 1
-            entry.hits += 1
-            self._counters["hits"] += 1
-            self._policy(entry.slot_size).touch(key)
+            if count_hit:
+                entry.hits += 1
+                self._counters["hits"] += 1
+                self._policy(entry.slot_size).touch(key)
             return entry
 
     def _unpin(self, entry: _Entry) -> None:
@@ -284,6 +285,16 @@ class DramTier:
         if entry is None:
             return None
         return PinnedView(self, entry, self._arena.view(entry.offset, entry.nbytes).toreadonly())
+
+    def view_to_copy(self, key: bytes) -> tuple[Namespace, int, PinnedView] | None:
+        """(namespace, reads while resident, pinned view) of a resident chunk, for copying it
+        to a lower tier: unlike ``view`` it counts no read (no hit, no recency). None if
+        absent; PoolClosedError after close."""
+        entry = self._pin(key, None, count_miss=False, count_hit=False)
+        if entry is None:
+            return None
+        view = self._arena.view(entry.offset, entry.nbytes).toreadonly()
+        return entry.ns, entry.hits, PinnedView(self, entry, view)
 
     def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
         """True if the chunk is resident (stored under ``namespace_id``, when given)."""
@@ -341,6 +352,13 @@ class DramTier:
         with self._lock:
             self._check_open()
             return [(k, e.ns) for k, e in self._entries.items() if not e.on_lower]
+
+    def residents(self) -> list[tuple[bytes, Namespace, bool]]:
+        """Every resident chunk as (key, namespace, on_lower), oldest put first; on_lower:
+        a lower tier was known to hold it when it came in (it may have evicted it since)."""
+        with self._lock:
+            self._check_open()
+            return [(k, e.ns, e.on_lower) for k, e in self._entries.items()]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,6 +65,10 @@ class WriteBehind:
         self._allocated = 0
         self._closed = False
         self._drops_said = RateLimited()
+        #: Called by the worker after each batch it wrote, before ``flush`` sees the batch
+        #: done (the pool writes back, from DRAM, what the SSD's log dropped meanwhile); its
+        #: errors are logged, never raised.
+        self.after_batch: Callable[[], object] | None = None
         self._counters = dict.fromkeys(("offered", "offered_bytes", "written", "dropped",
                                         "write_errors"), 0)
         self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{label}",
@@ -213,6 +217,11 @@ class WriteBehind:
                 log.warning("write-behind (%s): write of %d chunks failed: %s", self._name,
                             len(batch), exc)
                 written, failed = 0, len(batch)
+            if self.after_batch is not None:  # before the batch is done: a flush waits for it
+                try:
+                    self.after_batch()
+                except Exception:  # the worker must survive it
+                    log.exception("write-behind (%s): after-batch hook failed", self._name)
             with self._lock:
                 for key, staged in batch:
                     del self._writing[key]
