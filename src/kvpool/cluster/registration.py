@@ -98,7 +98,8 @@ class NodeRegistration:
             self._client.lease_revoke(lease)
         except EtcdError as exc:
             log.warning("kvpool registration %s: could not revoke lease; the node stays listed "
-                        "until its TTL (%.0f s) runs out: %s", self.key, self.ttl_s, exc)
+                        "until its TTL (%.0f s) runs out: %s", self.key, self.ttl_s, exc,
+                        extra={"event": "deregister_failed", "key": self.key})
 
     def __enter__(self) -> NodeRegistration:
         return self if self._thread is not None else self.start()
@@ -135,21 +136,24 @@ class NodeRegistration:
                 lease = self.lease_id
                 if lease is None:
                     self._register()
-                    log.warning("kvpool registration %s: registered again", self.key)
+                    log.warning("kvpool registration %s: registered again", self.key,
+                                extra={"event": "registered_again", "key": self.key})
                 elif self._keepalive(lease) <= 0:
                     log.warning("kvpool registration %s: lease %x was lost, registering again",
-                                self.key, lease)
+                                self.key, lease, extra={"event": "lease_lost", "key": self.key})
                     with self._lock:
                         self._lease = None
                     self._register()
                 if warned:
-                    log.info("kvpool registration %s: etcd reachable again", self.key)
+                    log.info("kvpool registration %s: etcd reachable again", self.key,
+                             extra={"event": "etcd_reachable", "key": self.key})
                     warned = False
                 wait = interval
             except EtcdError as exc:
                 if not warned:
                     log.warning("kvpool registration %s: etcd unreachable, retrying: %s",
-                                self.key, exc)
+                                self.key, exc, extra={"event": "etcd_unreachable",
+                                                      "key": self.key})
                     warned = True
                 else:
                     log.debug("kvpool registration %s: still unreachable: %s", self.key, exc)
