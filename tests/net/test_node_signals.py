@@ -12,39 +12,25 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
-from kvtest import byte_namespace, payload_for, wait_for
+from kvtest import payload_for, wait_for
+from lifecycle_support import CHUNK, NS, bad_lines, http, start_partial_put
 from metrics_support import scrape_url, value
 from node_process import NodeProcess
 from test_node_lanes import laned
 
 from kvpool.net.connection import NodeConnection
-from kvpool.net.protocol import HEADER_BYTES, Header, Op, RemoteError, pack_keys
+from kvpool.net.protocol import HEADER_BYTES, RemoteError
 
-CHUNK = 64 << 10
-NS = byte_namespace(CHUNK, salt="signals")
 HANG_S = 60.0  # only a hang detector
-
-
-def bad_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines()
-            if " ERROR " in line or "Traceback" in line or '"level": "error"' in line]
-
-
-def http(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def put_some(conn: NodeConnection, n: int) -> list[bytes]:
@@ -59,18 +45,6 @@ def held(conn: NodeConnection, keys: list[bytes]) -> bool:
         return False
     return all(np.array_equal(o, payload_for(k, CHUNK)) for k, o in zip(keys, outs,
                                                                        strict=True))
-
-
-def start_partial_put(address: str) -> NodeConnection:
-    """A connection whose PUT sent its header and keys and half its payload: a request in
-    flight on the node until the rest comes (it never does)."""
-    conn = NodeConnection(address)
-    conn.declare(NS)
-    key = os.urandom(16)
-    meta = pack_keys(NS.id, [key])
-    head = Header(Op.PUT, 4242, 1, len(meta), CHUNK).pack()
-    conn.sock.sendall(head + meta + bytes(CHUNK // 2))
-    return conn
 
 
 def test_sigterm_with_clients_and_a_lane_exits_0_without_errors_and_keeps_acked_puts(
@@ -169,8 +143,6 @@ def test_sigint_during_a_large_prefault_is_one_line(tmp_path: Path) -> None:
                                        "prefault": "start"})
     path = tmp_path / "node.yaml"
     path.write_text(yaml.safe_dump(node.config))
-    import subprocess
-    import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "serve", "--config",
                              str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
