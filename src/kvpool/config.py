@@ -289,7 +289,7 @@ class LogConfig(_Section):
     its host process's logging alone unless ``configure`` is set."""
 
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged (every logger; kvpool's log under kvpool.*).")
-    format: Literal["text", "json"] = Field("text", description="text: `time LEVEL logger: message`; json: one JSON object per line with ts (UTC, ISO 8601), level, logger, event (null for a line that is not one of the events in docs/config.md), message and the event's own fields (node, segment, offset, peer, count, ...).")
+    format: Literal["text", "json"] = Field("text", description="text: `time LEVEL logger: message`; json: one JSON object per line with ts (UTC, ISO 8601), level, logger, event (one of the events in docs/config.md; for any other line its logger's name under kvpool.), message and the event's own fields (node, segment, offset, peer, count, ...).")
     configure: bool = Field(False, description="An embedded KVPool applies level and format to the process's logging when it opens (replacing only the handler kvpool installed). Off by default: a host process (vLLM, an application) owns its logging; the kvpool commands always apply them.")
 
 

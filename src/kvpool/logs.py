@@ -9,7 +9,7 @@ queue, once per burst), ``segment_evicted`` (SSD), ``checksum_failure`` (SSD rea
 offset, a key prefix; rate-limited), ``auth_failure`` (a node refused a token: peer),
 ``memory_reserve`` (a node's start-up memory check); ``kvpool serve``'s own events are listed
 in docs/operations.md (Logs). A line logged without an event gets its logger's name under
-``kvpool.`` as its event (``ssd.engine``), so no JSON line has a null event.
+``kvpool.`` as its event (``ssd``), so no JSON line has a null event.
 
 Only commands configure logging (``configure_logging``): ``kvpool serve`` and ``kvpool demo``.
 An embedded pool never touches its host process's logging (vLLM's, an application's).
@@ -60,7 +60,7 @@ class JsonFormatter(logging.Formatter):
 
 def event_name(record: logging.LogRecord) -> str:
     """The record's ``event``; for a line logged without one, its logger's name under
-    ``kvpool.`` (``ssd.engine``, ``serve``), so that every JSON line names what it is."""
+    ``kvpool.`` (``ssd``, ``writebehind``, ``serve``), so that every JSON line names what it is."""
     event = getattr(record, "event", None)
     if event:
         return str(event)
@@ -71,8 +71,9 @@ def event_name(record: logging.LogRecord) -> str:
 _OURS = "_kvpool_handler"
 
 #: The logger of a command's status lines (``kvpool serve``'s ``listening`` and ``stopped``):
-#: records like any other, in the configured format, but written to stdout at every level
-#: setting, since scripts and supervisors read the listening line there.
+#: records like any other, but written to stdout at every level setting, since scripts and
+#: supervisors read the listening line there: JSON objects with ``log.format: json``, the
+#: bare message (``kvpool serve: node ... listening on host:port ...``) with text.
 STATUS_LOGGER = "kvpool.status"
 
 
@@ -99,7 +100,9 @@ def configure_logging(cfg: LogConfig, stream: IO[str] | None = None,
     for old in [h for h in status.handlers if getattr(h, _OURS, False)]:
         status.removeHandler(old)
     out = logging.StreamHandler(sys.stdout if status_stream is None else status_stream)
-    out.setFormatter(_formatter(cfg))
+    # text: the bare message, as kvpool serve printed it before these were log records
+    out.setFormatter(JsonFormatter() if cfg.format == "json"
+                     else logging.Formatter("%(message)s"))
     setattr(out, _OURS, True)
     status.addHandler(out)
     status.setLevel(logging.INFO)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from etcd_fixture import EtcdServer
 from kvtest import wait_for
 from lifecycle_support import bad_lines, http, start_partial_put
 from metrics_endpoint import dead_address
@@ -59,6 +60,31 @@ def test_sigterm_deregisters_before_in_flight_requests_end(
         stuck.close()
     finally:
         node.stop()
+
+
+def test_registration_lines_have_events_in_json(tmp_path: Path, etcd_server: EtcdServer,
+                                                cluster_name: str) -> None:
+    """etcd killed (unreachable) and back empty (the lease is lost): JSON lines named
+    etcd_unreachable, lease_lost, etcd_reachable, and the node registered again."""
+    node = NodeProcess(tmp_path / "node", log={"format": "json"},
+                       cluster={"etcd": [etcd_server.endpoint], "name": cluster_name,
+                                "lease_ttl_s": 3},
+                       server={"node_id": "logged"})
+
+    def events() -> set[str]:
+        return {json.loads(line)["event"] for line in node.log.read_text().splitlines()}
+
+    with node:
+        etcd_server.kill()
+        wait_for(lambda: "etcd_unreachable" in events(), HANG_S, "etcd_unreachable")
+        etcd_server.wipe()
+        etcd_server.start()
+        wait_for(lambda: {"lease_lost", "etcd_reachable"} <= events(), HANG_S,
+                 "lease_lost and etcd_reachable")
+        wait_for(lambda: registered(etcd_server.endpoint, cluster_name) == {"logged"},
+                 HANG_S, "registered again")
+    for line in node.log.read_text().splitlines():
+        assert json.loads(line)["event"], line
 
 
 def test_readyz_is_503_while_the_node_is_drained(

@@ -211,6 +211,11 @@ def test_json_logs_every_line_of_stdout_and_stderr_has_an_event(tmp_path: Path) 
     assert {"shutdown", "fd_limit", "protocol_error", "metrics_listening"} <= events, events
     assert [d["event"] for d in stdout] == ["stopped"]  # "listening" was read by start()
     assert stdout[0]["flushed"] is True
+    node.start()  # the SSD log read back: an ssd_recovered line with its figures
+    assert node.terminate(HANG_S) == 0
+    [recovered] = [d for d in map(json_doc, node.log.read_text().splitlines())
+                   if d["event"] == "ssd_recovered"]
+    assert recovered["records"] == 2
 
 
 def test_metrics_port_pages(tmp_path: Path) -> None:
