@@ -61,7 +61,7 @@ def test_json_lines_carry_ts_level_logger_event_message_and_fields(logs: Capture
     log.warning("node %s left", "n1", extra={"event": "node_left", "node": "n1",
                                              "where": Path("/x")})
     plain, event = logs.lines()
-    assert plain["event"] is None and plain["message"] == "plain 1"
+    assert plain["event"] == "test" and plain["message"] == "plain 1"  # the logger's name
     assert plain["level"] == "info" and plain["logger"] == "kvpool.test"
     assert plain["ts"].endswith("+00:00") and "T" in plain["ts"]
     assert event == {**event, "level": "warning", "event": "node_left", "node": "n1",

@@ -212,7 +212,7 @@ class ServerConfig(_Section):
     max_connections: int = Field(1024, ge=1, description="Connections served at once; a connection over the limit gets BUSY to its first request and is closed (counted, logged rate-limited). The soft fd limit is raised to the hard one at start.")
     max_namespaces: int = Field(4096, ge=1, description="Namespaces the node keeps registered; past it, the least recently used one that no connection has declared is forgotten (its chunks stay stored and serve again once declared). A NAMESPACE that would need more, all in use, is refused BUSY.")
     idle_timeout_s: float = Field(300.0, gt=0, description="A connection silent this long (or stalled mid-frame) is closed.")
-    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM: time allowed for in-flight requests and the write-behind queue.")
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM or SIGINT: the whole graceful stop (refuse new PUTs, let in-flight requests finish (at most half of it), deregister from etcd, flush the write-behind queue to SSD) takes at most this long; then the node exits 0. The old name drain_timeout_s is still accepted.")
     max_namespaces_per_connection: int = Field(256, ge=1, description="Namespaces one connection may declare (bounds per-connection memory); a NAMESPACE past it is refused BAD_REQUEST.")
     max_refusing: int = Field(32, ge=0, description="Connections over max_connections held open at once until their first request is answered BUSY; more are closed without an answer.")
     offload_bytes: Size = Field(512 << 10, description="While more than one request is in flight, a payload at least this large is received or sent on a network thread (the copy out of the kernel releases the GIL) instead of the event loop.")
@@ -221,6 +221,19 @@ class ServerConfig(_Section):
     lane_connections: int = Field(16, ge=0, le=256, description="Up to this many connections at once that have moved a payload of at least offload_bytes are each served by a thread of their own from then on (blocking socket calls, GETs and PUTs served on that thread; other requests still go through the event loop). The rest stay on the event loop. 0 = none.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics at http://<host>:<metrics_port>/metrics (the node's pool, its tiers and its server; 0 = any free port). Registered in etcd beside the node's address, so kvpool monitor finds it. Unset: none.")
     inline_exists_keys: int = Field(4096, ge=0, description="An EXISTS or EXISTS_PREFIX of at most this many keys that arrives while no other request is in flight is probed on the event loop (in-memory index lookups) instead of a worker thread: the hop there and back cost more than the probe. 0 = always on a worker.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_shutdown_name(cls, data: Any) -> Any:
+        """``drain_timeout_s`` was renamed ``shutdown_timeout_s`` (``kvpool admin drain`` is
+        another thing): the old name is accepted, both at once are refused."""
+        if isinstance(data, dict) and "drain_timeout_s" in data:
+            data = dict(data)
+            if "shutdown_timeout_s" in data:
+                raise ValueError("server.drain_timeout_s: the old name of "
+                                 "server.shutdown_timeout_s; set only one of them")
+            data["shutdown_timeout_s"] = data.pop("drain_timeout_s")
+        return data
 
     @model_validator(mode="after")
     def _admin_needs_auth(self) -> ServerConfig:
@@ -285,7 +298,7 @@ class LogConfig(_Section):
     its host process's logging alone unless ``configure`` is set."""
 
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged (every logger; kvpool's log under kvpool.*).")
-    format: Literal["text", "json"] = Field("text", description="text: `time LEVEL logger: message`; json: one JSON object per line with ts (UTC, ISO 8601), level, logger, event (null for a line that is not one of the events in docs/config.md), message and the event's own fields (node, segment, offset, peer, count, ...).")
+    format: Literal["text", "json"] = Field("text", description="text: `time LEVEL logger: message`; json: one JSON object per line with ts (UTC, ISO 8601), level, logger, event (one of the events in docs/config.md; for any other line its logger's name under kvpool.), message and the event's own fields (node, segment, offset, peer, count, ...).")
     configure: bool = Field(False, description="An embedded KVPool applies level and format to the process's logging when it opens (replacing only the handler kvpool installed). Off by default: a host process (vLLM, an application) owns its logging; the kvpool commands always apply them.")
 
 

@@ -71,8 +71,9 @@ LOG_EVENTS_SECTION = [
     "`kvpool serve` and `kvpool demo` configure logging from the `log` section (an embedded",
     "pool leaves its host process's logging alone unless `log.configure`). With",
     "`log.format: json` each line is one",
-    "object: `ts`, `level`, `logger`, `event` (null for other lines), `message` and the",
-    "event's fields below.",
+    "object: `ts`, `level`, `logger`, `event` (for a line that is none of these, its",
+    "logger's name under `kvpool.`, e.g. `ssd`), `message` and the event's fields",
+    "below. `kvpool serve`'s `listening` and `stopped` go to stdout, the rest to stderr.",
     "",
     "| event | level | logger | fields |",
     "| --- | --- | --- | --- |",
@@ -105,6 +106,29 @@ LOG_EVENTS_SECTION = [
     "node could not remove its key; it expires after the TTL |",
     "| `node_incarnation` | info | kvpool.cluster | `node`: a client saw a node id come "
     "back as a new run (or at a new address) and closed its old connections |",
+    "| `listening` | info | kvpool.status (stdout) | `node`, `host`, `port`, `pid`, "
+    "`metrics_port`: `kvpool serve` serves |",
+    "| `stopped` | info | kvpool.status (stdout) | `node`, `flushed` (the write-behind queue "
+    "reached SSD), `seconds` (the stop took) |",
+    "| `shutdown` | info | kvpool.serve | `node`, `cause` (SIGTERM, SIGINT), `inflight`, "
+    "`timeout_s`; `phase: start-up` when the signal came before it served |",
+    "| `shutdown_cut_requests`, `shutdown_flush_incomplete` | warning | kvpool.serve | "
+    "`node`, `inflight`: the stop ran out of `server.shutdown_timeout_s` |",
+    "| `config_reloaded` | info | kvpool.serve | `node`, `applied`, `restart_needed` "
+    "(dotted keys): after SIGHUP |",
+    "| `config_reload_failed`, `config_reload_ignored` | warning, info | kvpool.serve | "
+    "the file did not load (settings kept); SIGHUP before the node listened |",
+    "| `protocol_error` | info | kvpool.serve | `peer`, `held_back`: a connection closed "
+    "for bytes that are not a frame; rate-limited like checksum_failure |",
+    "| `connections_refused` | warning | kvpool.serve | `held_back`: over "
+    "`server.max_connections`; rate-limited |",
+    "| `fd_limit`, `accept_failed`, `accept_recovered` | info, warning | kvpool.serve | "
+    "`soft`, `hard`; `errno`, `held_back`; `failures` |",
+    "| `metrics_listening` | info | kvpool.metrics.http | `port` |",
+    "| `ssd_recovered` | info | kvpool.ssd | `records`, `segments`: the SSD log "
+    "read at open |",
+    "| `etcd_unreachable`, `etcd_reachable` | warning, info | kvpool.cluster.etcd_membership | "
+    "`cluster`: a client's or node's membership watch lost / regained etcd |",
 ]
 
 

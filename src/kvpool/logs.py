@@ -7,7 +7,9 @@ fields. The events: ``node_joined`` / ``node_left`` and ``node_drained`` /
 ``node_undrained`` (a client's etcd membership), ``dropped_save`` (a full write-behind
 queue, once per burst), ``segment_evicted`` (SSD), ``checksum_failure`` (SSD read: segment,
 offset, a key prefix; rate-limited), ``auth_failure`` (a node refused a token: peer),
-``memory_reserve`` (a node's start-up memory check).
+``memory_reserve`` (a node's start-up memory check); ``kvpool serve``'s own events are listed
+in docs/operations.md (Logs). A line logged without an event gets its logger's name under
+``kvpool.`` as its event (``ssd``), so no JSON line has a null event.
 
 Only commands configure logging (``configure_logging``): ``kvpool serve`` and ``kvpool demo``.
 An embedded pool never touches its host process's logging (vLLM's, an application's).
@@ -45,7 +47,7 @@ class JsonFormatter(logging.Formatter):
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "event": getattr(record, "event", None),
+            "event": event_name(record),
             "message": record.getMessage(),
         }
         for name, value in vars(record).items():
@@ -56,23 +58,55 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+def event_name(record: logging.LogRecord) -> str:
+    """The record's ``event``; for a line logged without one, its logger's name under
+    ``kvpool.`` (``ssd``, ``writebehind``, ``serve``), so that every JSON line names what it is."""
+    event = getattr(record, "event", None)
+    if event:
+        return str(event)
+    return record.name.removeprefix("kvpool.") or "log"
+
+
 #: Marks the handler configure_logging installed, so a second call replaces it.
 _OURS = "_kvpool_handler"
 
+#: The logger of a command's status lines (``kvpool serve``'s ``listening`` and ``stopped``):
+#: records like any other, but written to stdout at every level setting, since scripts and
+#: supervisors read the listening line there: JSON objects with ``log.format: json``, the
+#: bare message (``kvpool serve: node ... listening on host:port ...``) with text.
+STATUS_LOGGER = "kvpool.status"
 
-def configure_logging(cfg: LogConfig, stream: IO[str] | None = None) -> logging.Handler:
+
+def _formatter(cfg: LogConfig) -> logging.Formatter:
+    return JsonFormatter() if cfg.format == "json" else logging.Formatter(TEXT_FORMAT)
+
+
+def configure_logging(cfg: LogConfig, stream: IO[str] | None = None,
+                      status_stream: IO[str] | None = None) -> logging.Handler:
     """Send every logger's records at ``cfg.level`` and above to ``stream`` (stderr) as
-    ``cfg.format``. Replaces the handler an earlier call installed; leaves other handlers
-    alone. Returns the handler. Never raises for a valid LogConfig."""
+    ``cfg.format``, and the status logger's (STATUS_LOGGER) to ``status_stream`` (stdout)
+    only. Replaces the handlers an earlier call installed (so calling it again applies a
+    changed level or format at once); leaves other handlers alone. Returns the handler.
+    Never raises for a valid LogConfig."""
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, _OURS, False)]:
         root.removeHandler(old)
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.setFormatter(JsonFormatter() if cfg.format == "json"
-                         else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(_formatter(cfg))
     setattr(handler, _OURS, True)
     root.addHandler(handler)
     root.setLevel(cfg.level.upper())
+    status = logging.getLogger(STATUS_LOGGER)
+    for old in [h for h in status.handlers if getattr(h, _OURS, False)]:
+        status.removeHandler(old)
+    out = logging.StreamHandler(sys.stdout if status_stream is None else status_stream)
+    # text: the bare message, as kvpool serve printed it before these were log records
+    out.setFormatter(JsonFormatter() if cfg.format == "json"
+                     else logging.Formatter("%(message)s"))
+    setattr(out, _OURS, True)
+    status.addHandler(out)
+    status.setLevel(logging.INFO)
+    status.propagate = False
     return handler
 
 

@@ -139,7 +139,7 @@ def test_a_peer_that_stops_reading_a_lane_answer_is_cut_off(tmp_path: Path) -> N
 
 
 def test_a_node_stops_with_lanes_idle_and_stalled(tmp_path: Path) -> None:
-    node = NodeProcess(tmp_path, server={"drain_timeout_s": 1.0}).start()
+    node = NodeProcess(tmp_path, server={"shutdown_timeout_s": 1.0}).start()
     try:
         idle, _ = laned(node.address)
         stalled, _ = laned(node.address)

@@ -276,7 +276,8 @@ class EtcdMembership:
                     if warned:
                         log.info("kvpool membership %s: etcd reachable again at %s; "
                                     "%d live nodes", self.cluster, stream.endpoint,
-                                    len(self.live_nodes()))
+                                    len(self.live_nodes()),
+                                    extra={"event": "etcd_reachable", "cluster": self.cluster})
                         warned = False
                     self._follow(stream)
                 finally:
@@ -289,7 +290,8 @@ class EtcdMembership:
                 if not warned:
                     log.warning("kvpool membership %s: etcd unreachable, keeping the last "
                                 "known %d nodes and retrying: %s", self.cluster,
-                                len(self.live_nodes()), exc)
+                                len(self.live_nodes()), exc,
+                                extra={"event": "etcd_unreachable", "cluster": self.cluster})
                     warned = True
                 else:
                     log.debug("kvpool membership %s: still unreachable: %s", self.cluster, exc)

@@ -130,6 +130,9 @@ def _specs() -> list[MetricSpec]:
         MetricSpec("kvpool_repair_failures_total", "counter",
                    "Repair copies that failed (peer down or refusing, read error) or were "
                    "dropped (a client's full read-repair queue).", (), s),
+        MetricSpec("kvpool_build_info", "gauge",
+                   "Always 1; the version label is the kvpool package's version.",
+                   ("version",), s),
         MetricSpec("kvpool_engine_lookup_tokens_total", "counter",
                    "Prompt tokens the engine looked up, result hit or miss.",
                    ("engine", "result"), e),

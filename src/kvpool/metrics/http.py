@@ -1,32 +1,91 @@
-"""The ``/metrics`` HTTP endpoint of a process (prometheus-client's WSGI server on a
-thread)."""
+"""The HTTP endpoint of a process's metrics: ``/metrics`` (prometheus-client's exposition)
+and, for a storage node, its other pages (``/healthz``, ``/readyz``, ``/sd``), on a thread.
+Any other path is 404."""
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
+#: An HTTP page: status code, content type and body.
+Page = tuple[int, str, bytes]
+#: Answers one path at request time (on the server's thread); an exception it raises is a
+#: 500 answer, logged rate-free at WARNING (a bug, not load).
+PageHandler = Callable[[], Page]
+
+_REASONS = {200: "200 OK", 404: "404 Not Found", 500: "500 Internal Server Error",
+            503: "503 Service Unavailable"}
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Quiet(WSGIRequestHandler):
+    """No access log on stderr (a scrape a second would flood it)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
 
 class MetricsServer:
-    """Serves ``registry`` at http://host:port/metrics until ``close``. Raises OSError when
-    the port cannot be bound (taken, no permission): a port set in the config that cannot
-    be served is an error at start, never a silent gap in monitoring."""
+    """Serves ``registry`` at http://host:port/metrics and each of ``pages`` (path ->
+    handler) at its path until ``close``; every other path is 404. Raises OSError when the
+    port cannot be bound (taken, no permission): a port set in the config that cannot be
+    served is an error at start, never a silent gap in monitoring."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server: Any
-        self._server, self._thread = start_http_server(port, host, registry)
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 pages: Mapping[str, PageHandler] | None = None) -> None:
+        self._metrics = make_wsgi_app(registry)
+        self._pages = dict(pages or {})
+        server_class = _Server6 if ":" in host else _Server
+        self._server: Any = make_server(host, port, self._app, server_class, _Quiet)
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="kvpool-metrics-http", daemon=True)
+        self._thread.start()
         self.host = host
         self.port: int = self._server.server_port
-        log.info("metrics at http://%s:%d/metrics", host, self.port)
+        log.info("metrics at http://%s:%d/metrics", host, self.port,
+                 extra={"event": "metrics_listening", "port": self.port})
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/metrics"
+
+    def _app(self, environ: dict[str, Any],
+             start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path == "/metrics":
+            answer: Iterable[bytes] = self._metrics(environ, start_response)
+            return answer
+        handler = self._pages.get(path)
+        if handler is None:
+            known = " ".join(["/metrics", *sorted(self._pages)])
+            code, ctype, body = 404, "text/plain", f"not found; try {known}\n".encode()
+        else:
+            try:
+                code, ctype, body = handler()
+            except Exception as exc:  # a bug in a page: answered, never the server's end
+                log.warning("metrics endpoint: %s failed: %s", path, exc,
+                            extra={"event": "http_page_failed", "path": path})
+                code, ctype, body = 500, "text/plain", f"{exc}\n".encode()
+        start_response(_REASONS.get(code, f"{code} Status"),
+                       [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+        return [body]
 
     def close(self) -> None:
         """Stop serving. Idempotent."""

@@ -40,7 +40,8 @@ def raise_fd_limit(log: logging.Logger) -> tuple[int, int]:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
         except (ValueError, OSError) as exc:
-            log.warning("could not raise the fd limit from %d to %d: %s", soft, target, exc)
+            log.warning("could not raise the fd limit from %d to %d: %s", soft, target, exc,
+                        extra={"event": "fd_limit"})
     return soft, hard
 
 
@@ -56,9 +57,10 @@ def log_fd_limits(log: logging.Logger, max_connections: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < max_connections + RESERVED_FDS:
         log.warning("%s: too few for server.max_connections=%d; raise the hard limit "
                     "(ulimit -Hn, LimitNOFILE=) or lower server.max_connections", text,
-                    max_connections)
+                    max_connections, extra={"event": "fd_limit", "soft": soft, "hard": hard})
     else:
-        log.info("%s; server.max_connections=%d", text, max_connections)
+        log.info("%s; server.max_connections=%d", text, max_connections,
+                 extra={"event": "fd_limit", "soft": soft, "hard": hard})
 
 
 def _limit(value: int) -> str:
@@ -91,15 +93,18 @@ class AcceptBackoff:
                 self._log.warning(
                     "accept failed: %s %s with %d connections open (fd limit %s, hard %s); "
                     "backing off up to %.0f s and accepting again%s", name, exc.strerror,
-                    connections, _limit(soft), _limit(hard), BACKOFF_MAX_S, repeats)
+                    connections, _limit(soft), _limit(hard), BACKOFF_MAX_S, repeats,
+                    extra={"event": "accept_failed", "errno": name, "held_back": held})
             else:
                 self._log.info("accept failed: %s %s; accepting again%s", name, exc.strerror,
-                               repeats)
+                               repeats, extra={"event": "accept_failed", "errno": name,
+                                               "held_back": held})
         return self._delay if resource_error else 0.0
 
     def succeeded(self) -> None:
         """An accept worked: the burst (if any) is over."""
         if self._delay and self._say_recovered.due() is not None:
-            self._log.info("accepting again after %d failed accepts", self._failures)
+            self._log.info("accepting again after %d failed accepts", self._failures,
+                           extra={"event": "accept_recovered", "failures": self._failures})
         self._failures = 0
         self._delay = 0.0

@@ -32,7 +32,8 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any],
 def serve_from_args(args: argparse.Namespace) -> int:
     """``kvpool serve``. Exit 2 with one line on stderr for a setting that must change (bad
     config, tier geometry the media cannot hold, unreachable etcd); 1 for an OS failure at
-    start (e.g. the port is taken); 0 after a clean stop."""
+    start (e.g. the port is taken); 0 after a clean stop (SIGTERM, SIGINT, also during
+    start-up). SIGHUP reloads the config (node.py)."""
     server = {k: v for k, v in (("host", args.host), ("port", args.port),
                                 ("node_id", args.node_id)) if v is not None}
     overrides: dict[str, Any] = {"server": server} if server else {}
@@ -42,8 +43,12 @@ def serve_from_args(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     from kvpool.server.node import NodeStartError, run
+
+    def reload_config() -> Config:  # SIGHUP: the same file, environment and flags again
+        return load_config(args.config, overrides=overrides)
+
     try:
-        return run(cfg)
+        return run(cfg, reload_config)
     except NodeStartError as exc:
         print(f"kvpool serve: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,9 @@ unknown namespace, forbidden tenant, too many bytes for one answer) gets an erro
 the connection stays open. Bytes that are not a frame, a frame over the limits, an idle or
 stalled peer, a peer that has not completed AUTH within ``server.auth_timeout_s`` (whatever
 it trickles), or any unexpected exception close this connection only; the node keeps serving.
+A connection closed for bytes that are not a frame is one INFO line (event
+``protocol_error``) at most every ``kvpool.logs.LOG_INTERVAL_S``, with the number held back.
+While the node shuts down, PUTs are answered BUSY.
 
 A connection accepted over ``server.max_connections`` is a refusal: its first request is
 answered BUSY and it is closed. A (re-)AUTH starts a new identity: the namespaces declared
@@ -38,6 +41,7 @@ from typing import Any
 from kvpool.buffers import advance
 from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES
+from kvpool.logs import RateLimited
 from kvpool.net.protocol import (
     HEADER_BYTES,
     KEYED_OPS,
@@ -57,6 +61,9 @@ from kvpool.server.store import NodeStore, Refused
 from kvpool.server.traffic import DISCARD_BYTES, IOV_MAX, Traffic
 
 log = logging.getLogger("kvpool.serve")
+#: Connections closed for bytes that are not frames, logged at most once per LOG_INTERVAL_S
+#: (any peer can send them, before AUTH).
+_say_protocol_error = RateLimited()
 
 _SMALL_META = 64 * 1024  # AUTH / NAMESPACE metadata
 _OPS: dict[int, Op] = {op.value: op for op in Op}
@@ -202,7 +209,12 @@ class Connection:
                     return
         except ProtocolError as exc:
             self.count("protocol_errors")
-            log.info("closing %s: %s", self.peer, exc)
+            held = _say_protocol_error.due()
+            if held is not None:  # garbage from anyone: a flood must not flood the log
+                log.info("closing %s: %s%s", self.peer, exc,
+                         f" ({held} more since the last report)" if held else "",
+                         extra={"event": "protocol_error", "peer": self.peer,
+                                "held_back": held})
         except (ConnectionError, OSError):
             if self.cut_off is not None:
                 self.count(self.cut_off)
@@ -247,6 +259,12 @@ class Connection:
         finally:
             self.record_latency(name, started)
         return True
+
+    def refuse_put_if_stopping(self) -> None:
+        """While the node shuts down a PUT is refused BUSY (a client counts a dropped
+        save); reads are still answered."""
+        if self.traffic.draining:
+            raise Refused(Status.BUSY, f"node {self.store.node_id} is shutting down")
 
     def count_refused(self, refused: Refused) -> None:
         self.store.counters.add_many({"refused": 1,
@@ -323,6 +341,7 @@ class Connection:
 
     async def _put(self, req: Header, ns_id: bytes, keys: list[bytes]) -> None:
         try:
+            self.refuse_put_if_stopping()
             batch = await self.store.begin_put(self.session, ns_id, keys, req.payload_len)
         except Refused:
             await self.discard(req.payload_len)  # the frame stays in step; then answer

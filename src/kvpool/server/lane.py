@@ -76,6 +76,8 @@ class Lane:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)  # ends the thread's blocking call
             await asyncio.wait([done])
+            if not done.cancelled():
+                done.exception()  # the shut socket's error, expected: retrieved, not logged
             raise
         finally:
             traffic.lanes -= 1
@@ -151,6 +153,7 @@ class Lane:
         conn = self.conn
         ns_id, keys = split_keys(meta, req.count)
         try:
+            conn.refuse_put_if_stopping()
             batch = conn.store.begin_put_blocking(conn.session, ns_id, keys, req.payload_len)
         except Refused:
             self._discard(req.payload_len)  # the frame stays in step; then answer

@@ -2,11 +2,22 @@
 served over kvpool's binary protocol on asyncio/uvloop, registered in etcd when configured.
 
 Lifecycle: ``run()`` raises the soft fd limit to the hard one, binds, opens the pool,
-registers, prints one ``listening`` line and serves until SIGTERM/SIGINT. Then it stops
-accepting, deregisters (clients stop routing to it at once), lets in-flight requests finish
-(up to ``server.drain_timeout_s``), drains the write-behind queue to SSD and closes the pool.
+registers, logs one ``listening`` line (on stdout, see kvpool.logs.STATUS_LOGGER) and serves.
+
+- SIGTERM or SIGINT: a graceful stop within ``server.shutdown_timeout_s`` (one ``shutdown``
+  line): stop accepting, answer new PUTs BUSY (a client counts a dropped save), deregister
+  (clients stop routing to it at once), let in-flight requests finish (up to half of the
+  budget; then their connections are closed), drain the write-behind queue to SSD with what
+  is left of it, close the pool, one ``stopped`` line, exit 0. Either signal during start-up
+  (SSD recovery, DRAM prefault) ends the start with one ``shutdown`` line, exit 0.
+- SIGHUP: reload the config file and apply what can change live (reload.py; which keys is
+  ``StorageNode._register_live``), one ``config_reloaded`` line naming what changed and what
+  needs a restart. A file that no longer loads is one ``config_reload_failed`` line; the
+  node keeps its settings.
+
 A kill -9 loses only what was not yet on SSD; the next start recovers the SSD log and serves
-it again (keys are content addresses).
+it again (keys are content addresses). The metrics port also answers ``/healthz``,
+``/readyz`` and ``/sd`` (health.py).
 
 At start the node warns (one WARNING line, event ``memory_reserve``) when dram.capacity plus
 its overhead exceed 80% of the memory available (``kvpool.hostmem``). Start-up failures a
@@ -26,25 +37,43 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
 from typing import Any
 
+from prometheus_client import ProcessCollector
+
+from kvpool.cluster.membership import NodeInfo
 from kvpool.config import Config
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.hostmem import check_node_memory
-from kvpool.logs import RateLimited, configure_logging
+from kvpool.logs import STATUS_LOGGER, RateLimited, configure_logging
 from kvpool.metrics.http import MetricsServer
 from kvpool.metrics.recorder import LabeledLatency
 from kvpool.metrics.server_collector import ServerCollector
 from kvpool.net.connection import tune_socket
 from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, log_fd_limits, raise_fd_limit
+from kvpool.server.auth import Authenticator
 from kvpool.server.connection import Connection
+from kvpool.server.health import health_pages
+from kvpool.server.reload import LiveSettings
 from kvpool.server.repair import NodeRepair, RepairCollector, start_node_repair
 from kvpool.server.store import NodeStore, scoped_chunk_key
 from kvpool.server.traffic import Traffic
 
 log = logging.getLogger("kvpool.serve")
+#: The ``listening`` and ``stopped`` lines: log records on stdout (kvpool.logs).
+status = logging.getLogger(STATUS_LOGGER)
+
+#: Server settings every part of the node reads at use: a reload applies them at once.
+LIVE_SERVER_LIMITS = ("max_connections", "max_refusing", "idle_timeout_s", "auth_timeout_s",
+                      "max_inflight_bytes", "max_frame_bytes", "max_keys", "max_item_bytes",
+                      "max_namespaces_per_connection", "offload_bytes", "inline_exists_keys",
+                      "shutdown_timeout_s")
+#: Read at use by whoever owns them; live without a hook.
+LIVE_OTHER = ("cluster.repair_bytes_per_s",)
 
 
 class NodeStartError(KVPoolError):
@@ -52,14 +81,27 @@ class NodeStartError(KVPoolError):
     naming the setting."""
 
 
+class StopSignal(BaseException):
+    """SIGTERM or SIGINT arrived while the node was starting (before its event loop took
+    the signals): ``run`` ends the start cleanly. A BaseException, as KeyboardInterrupt, so
+    that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.name = signal.Signals(signum).name
+
+
 class StorageNode:
     """One node: the transport (this accept loop, the connections of connection.py) in
     front of a NodeStore (store.py) over an embedded KVPool. Raises OSError if the port
     cannot be bound or the media cannot be opened, and NodeStartError for tier geometry the
-    media cannot hold, before serving anything."""
+    media cannot hold, before serving anything. ``reload_config`` loads the config again
+    for SIGHUP (None: SIGHUP is logged and ignored)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config,
+                 reload_config: Callable[[], Config] | None = None) -> None:
         self.config = config
+        self._reload_config = reload_config
         srv = config.server
         self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
@@ -69,6 +111,9 @@ class StorageNode:
         self._connections = self.traffic.served
         self._refusing: dict[asyncio.Task[None], Connection] = {}
         self._say_refused = RateLimited()
+        self._serving = False  # registered and accepting (readiness)
+        self._stopping: str | None = None  # the signal (or "stop()") that stops it
+        self._registration: Any = None
         self.listener = socket.create_server((srv.host, srv.port), backlog=512,
                                              reuse_port=False)
         self.listener.setblocking(False)
@@ -93,11 +138,15 @@ class StorageNode:
                                                    self._metrics_state, self.traffic.latency))
         self._repair: NodeRepair | None = None  # re-replication and drain copying (repair.py)
         self.pool.metrics.register(RepairCollector(lambda: self._repair))
+        ProcessCollector(registry=self.pool.metrics)
+        self.live = LiveSettings()
+        self._register_live()
         self.metrics_server: MetricsServer | None = None
         if srv.metrics_port is not None:
             try:
+                pages = health_pages(self.readiness, self._members, config.cluster.name)
                 self.metrics_server = MetricsServer(self.pool.metrics, srv.host,
-                                                    srv.metrics_port)
+                                                    srv.metrics_port, pages)
             except BaseException:
                 self.listener.close()
                 self.pool.close()
@@ -117,6 +166,78 @@ class StorageNode:
 
     def count(self, name: str, n: int = 1) -> None:
         self.store.counters.add(name, n)
+
+    # ------------------------------------------------------------------ health
+    def readiness(self) -> str | None:
+        """None when the node should get traffic, else why not (``/readyz``)."""
+        if self._stopping is not None:
+            return "shutting down"
+        if not self._serving:
+            return "starting"
+        if self.config.cluster.etcd and (self._registration is None
+                                         or self._registration.lease_id is None):
+            return "not registered in etcd (lease lost; registering again)"
+        if not self._ssd_open():
+            return "SSD tier closed"
+        if self.store.drained:
+            return "drained (kvpool admin drain)"
+        return None
+
+    def _ssd_open(self) -> bool:
+        ssd = self.pool._stack.ssd  # the pool's tiers: the node owns its pool
+        return ssd is None or not getattr(ssd.engine, "_closed", False)
+
+    def _members(self) -> list[NodeInfo]:
+        """The live nodes of the cluster as this node last saw them in etcd; without etcd,
+        itself (``/sd``)."""
+        if self._drain_watch is not None:
+            members: list[NodeInfo] = self._drain_watch.live_nodes()
+            return members
+        port = self.metrics_server.port if self.metrics_server else None
+        return [NodeInfo(self.node_id, self.host, self.port, port)]
+
+    # ------------------------------------------------------------------ live settings
+    def _register_live(self) -> None:
+        """The settings a SIGHUP applies without a restart (the policy; reload.py is the
+        mechanism). Everything else that changed is logged as needing a restart."""
+        live = self.live
+        def relog(_: object) -> None:
+            configure_logging(self.config.log)
+
+        live.register("log.level", relog)
+        live.register("log.format", relog)
+        for name in LIVE_SERVER_LIMITS:
+            live.register(f"server.{name}")
+        for key in LIVE_OTHER:
+            live.register(key)
+
+        def new_tokens(_: object) -> None:
+            srv = self.config.server
+            self.store.auth = Authenticator(srv.auth, srv.admin_token)
+
+        # Tokens change live for new AUTHs (open connections keep the identity they have);
+        # turning auth on or off needs a restart.
+        live.register("server.auth", new_tokens, guard=lambda old, new: bool(old) == bool(new))
+        live.register("server.admin_token", new_tokens)
+
+    def reload(self) -> None:
+        """SIGHUP: load the config again and apply what can change live; one line. Never
+        raises."""
+        if self._reload_config is None:
+            log.info("SIGHUP: no config file to reload", extra={"event": "config_reload_failed"})
+            return
+        try:
+            new = self._reload_config()
+        except ConfigError as exc:
+            log.warning("config reload failed; keeping the running settings: %s", exc,
+                        extra={"event": "config_reload_failed"})
+            return
+        result = self.live.apply(self.config, new)
+        log.info("config reloaded: applied %s; needs a restart: %s",
+                 ", ".join(result.applied) or "nothing",
+                 ", ".join(result.restart_needed) or "nothing",
+                 extra={"event": "config_reloaded", "node": self.node_id,
+                        "applied": result.applied, "restart_needed": result.restart_needed})
 
     # ------------------------------------------------------------------ serving
     async def _accept_loop(self) -> None:
@@ -160,7 +281,8 @@ class StorageNode:
         held = self._say_refused.due()
         if held is not None:
             log.warning("refusing connections over server.max_connections=%d%s", limit,
-                        f" ({held} more since the last report)" if held else "")
+                        f" ({held} more since the last report)" if held else "",
+                        extra={"event": "connections_refused", "held_back": held})
         if len(self._refusing) >= self.config.server.max_refusing:
             sock.close()
             return
@@ -181,11 +303,11 @@ class StorageNode:
 
     async def _sweep_idle(self) -> None:
         """Once a second (or faster for short timeouts): cut off idle or stalled peers. One
-        timer for the node instead of one per request."""
+        timer for the node instead of one per request; the timeouts are read each round (a
+        reload may change them)."""
         srv = self.config.server
-        period = min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4)
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4))
             now = time.monotonic()  # the connections' clock (lane threads write it too)
             for conn in [*self._connections.values(), *self._refusing.values()]:
                 conn.close_if_idle(now)
@@ -198,18 +320,24 @@ class StorageNode:
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Only the main thread may own signals (tests run nodes in threads too).
             with contextlib.suppress(RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self._stop.set)
+                loop.add_signal_handler(sig, self._stop_on, sig.name)
+        with contextlib.suppress(RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
-            registration = self._register()
+            registration = self._registration = self._register()
         except BaseException:
             await self._release()
             raise
         self._start_repair()
         accept = asyncio.create_task(self._accept_loop())
         sweeper = asyncio.create_task(self._sweep_idle())
-        metrics = f", metrics on port {self.metrics_server.port}" if self.metrics_server else ""
-        print(f"kvpool serve: node {self.node_id} listening on {self.host}:{self.port} "
-              f"(pid {os.getpid()}){metrics}", flush=True)
+        self._serving = True
+        mport = self.metrics_server.port if self.metrics_server else None
+        metrics = f", metrics on port {mport}" if mport is not None else ""
+        status.info("kvpool serve: node %s listening on %s:%d (pid %d)%s", self.node_id,
+                    self.host, self.port, os.getpid(), metrics,
+                    extra={"event": "listening", "node": self.node_id, "host": self.host,
+                           "port": self.port, "pid": os.getpid(), "metrics_port": mport})
         log_fd_limits(log, self.config.server.max_connections)
         if ready is not None:
             ready.set()
@@ -219,8 +347,13 @@ class StorageNode:
             sweeper.cancel()
             await self._shutdown(accept, registration)
 
-    def stop(self) -> None:
+    def _stop_on(self, why: str) -> None:
+        if self._stopping is None:
+            self._stopping = why
         self._stop.set()
+
+    def stop(self) -> None:
+        self._stop_on("stop()")
 
     def _register(self) -> Any:
         """Register in etcd (if configured) and follow this node's drain flag there (``kvpool
@@ -232,7 +365,6 @@ class StorageNode:
         from kvpool.cluster.etcd import EtcdError
         from kvpool.cluster.etcd_membership import EtcdMembership
         from kvpool.cluster.identity import cache_dir_identity, new_incarnation
-        from kvpool.cluster.membership import NodeInfo
         from kvpool.cluster.registration import NodeIdTakenError, NodeRegistration
         try:
             identity = cache_dir_identity(self.config.cache_dir)
@@ -274,27 +406,48 @@ class StorageNode:
             self.store.catalog = self._repair.catalog
 
     async def _shutdown(self, accept: asyncio.Task[None], registration: Any) -> None:
+        """The graceful stop (module docstring), bounded by server.shutdown_timeout_s."""
+        started = time.monotonic()
+        budget = self.config.server.shutdown_timeout_s
+        deadline = started + budget
+        if self._stopping is None:
+            self._stopping = "stop()"
+        log.info("node %s stopping (%s): refusing new PUTs, finishing %d in-flight "
+                 "requests, deregistering, flushing the write-behind queue (at most %.0f s)",
+                 self.node_id, self._stopping, self.traffic.inflight, budget,
+                 extra={"event": "shutdown", "node": self.node_id, "cause": self._stopping,
+                        "inflight": self.traffic.inflight, "timeout_s": budget})
         self.traffic.draining = True
         accept.cancel()
         self.listener.close()
+        loop = asyncio.get_running_loop()
         if registration is not None:
-            await asyncio.get_running_loop().run_in_executor(None, registration.close)
+            await loop.run_in_executor(None, registration.close)
         if self._repair is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._repair.close)
-        deadline = time.monotonic() + self.config.server.drain_timeout_s
-        while self.traffic.inflight and time.monotonic() < deadline:
+            await loop.run_in_executor(None, self._repair.close)
+        while self.traffic.inflight and time.monotonic() < started + budget / 2:
             await asyncio.sleep(0.01)
+        if self.traffic.inflight:
+            log.warning("node %s: %d requests still in flight after %.1f s; closing their "
+                        "connections", self.node_id, self.traffic.inflight,
+                        time.monotonic() - started,
+                        extra={"event": "shutdown_cut_requests", "node": self.node_id,
+                               "inflight": self.traffic.inflight})
         tasks = [*self._connections, *self._refusing]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        loop = asyncio.get_running_loop()
-        drained = await loop.run_in_executor(self.executor, self.pool.flush,
+        flushed = await loop.run_in_executor(self.executor, self.pool.flush,
                                              max(0.0, deadline - time.monotonic()))
-        if not drained:
-            log.warning("write-behind queue not drained within drain_timeout_s")
+        if not flushed:
+            log.warning("node %s: write-behind queue not drained within "
+                        "server.shutdown_timeout_s=%.0f s; what is left is lost",
+                        self.node_id, budget,
+                        extra={"event": "shutdown_flush_incomplete", "node": self.node_id})
         await self._release()
-        print(f"kvpool serve: node {self.node_id} stopped", flush=True)
+        status.info("kvpool serve: node %s stopped", self.node_id,
+                    extra={"event": "stopped", "node": self.node_id, "flushed": flushed,
+                           "seconds": round(time.monotonic() - started, 3)})
 
     async def _release(self) -> None:
         """Close the listener, the metrics endpoint, the drain watch, the pool and the worker
@@ -309,18 +462,48 @@ class StorageNode:
         self.traffic.shutdown()
 
 
-def run(config: Config) -> int:
-    """Run a node in this process until SIGTERM/SIGINT. Returns the exit status. Raises
-    NodeStartError (a fixable setting), OSError (e.g. the port is taken)."""
-    configure_logging(config.log)
-    raise_fd_limit(log)
-    node = StorageNode(config)
-    freeze_startup_heap()
+@contextlib.contextmanager
+def startup_signals() -> Iterator[None]:
+    """While the node starts (SSD recovery, DRAM prefault, binding): SIGTERM and SIGINT
+    raise StopSignal in the main thread, SIGHUP is logged and ignored (there is nothing to
+    reload yet). The event loop's handlers replace these once it serves."""
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise StopSignal(signum)
+
+    def hangup(signum: int, frame: FrameType | None) -> None:
+        log.info("SIGHUP during start-up ignored; send it again once the node is listening",
+                 extra={"event": "config_reload_ignored"})
+
+    previous = {sig: signal.signal(sig, handler) for sig, handler in
+                ((signal.SIGTERM, stop), (signal.SIGINT, stop), (signal.SIGHUP, hangup))}
     try:
-        import uvloop
-        uvloop.run(node.serve())
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(node.serve())
+        yield
+    except BaseException:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise
+
+
+def run(config: Config, reload_config: Callable[[], Config] | None = None) -> int:
+    """Run a node in this process until SIGTERM/SIGINT; SIGHUP reloads with
+    ``reload_config``. Returns the exit status: 0 after a graceful stop, also when a stop
+    signal ends the start (one ``shutdown`` line). Raises NodeStartError (a fixable
+    setting), OSError (e.g. the port is taken)."""
+    configure_logging(config.log)
+    try:
+        with startup_signals():
+            raise_fd_limit(log)
+            node = StorageNode(config, reload_config)
+            freeze_startup_heap()
+        try:
+            import uvloop
+            uvloop.run(node.serve())
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            asyncio.run(node.serve())
+    except StopSignal as stop:  # before the loop took the signals: nothing served yet
+        log.info("kvpool serve: %s during start-up; stopped before serving anything", stop.name,
+                 extra={"event": "shutdown", "cause": stop.name, "phase": "start-up"})
+        return 0
     return node.exit_status
 
 

@@ -174,7 +174,9 @@ class SsdEngine:
                 put(r.key, r.segment, r.block, r.blocks, ns_index(r.namespace_id))
         if scan.records:
             log.info("ssd: recovered %d records in %d segments", len(self._index),
-                     len(self._log.fifo))
+                     len(self._log.fifo), extra={"event": "ssd_recovered",
+                                                 "records": len(self._index),
+                                                 "segments": len(self._log.fifo)})
 
     def _apply(self, h: RecordHeader, seg_no: int, offset: int) -> None:
         """Index one record just written (lock held)."""
