@@ -1,5 +1,5 @@
 """TLS between clients and storage nodes (server.tls, cluster.tls) with real ``kvpool serve``
-processes and throwaway certificates (tls_certs.py): data moves intact over TLS on every
+processes and throwaway certificates (kvpool.bench.certs): data moves intact over TLS on every
 path of the node (the loop's answers, the thread's GETs and PUTs), a certificate that does
 not verify is refused (a miss, the node marked down; never plain text), a plain client
 against a TLS node and a TLS client against a plain node fail at once with a clear error,
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from kvtest import byte_namespace, payload_for
 from node_process import NodeProcess
-from tls_certs import Certs, make_certs
 
+from kvpool.bench.certs import Certs, make_certs
 from kvpool.config import ClusterConfig, ClusterTlsConfig
 from kvpool.net.client import ClusterClient
 from kvpool.net.connection import open_connection

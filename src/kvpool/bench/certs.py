@@ -1,10 +1,11 @@
-"""Throwaway certificates for the TLS tests, made with the ``openssl`` command (EC P-256,
-valid one day): a CA, a node certificate for 127.0.0.1 / localhost signed by it, a client
-certificate signed by it, and a second, unrelated CA with a node certificate of its own (a
-node the client must refuse)."""
+"""Throwaway certificates for ``kvpool bench remote``'s TLS case and the TLS tests, made with
+the ``openssl`` command (EC P-256, valid one day; never for production): a CA, a node
+certificate for 127.0.0.1 / localhost signed by it, a client certificate signed by it, and a
+second, unrelated CA with a node certificate of its own (a node a client must refuse)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ class Certs:
     rogue_ca: Path
     rogue_node_cert: Path
     rogue_node_key: Path
+
+
+def openssl_available() -> bool:
+    return shutil.which("openssl") is not None
 
 
 def _openssl(*args: str | Path) -> None:
@@ -46,7 +51,8 @@ def _signed(base: Path, name: str, ca: tuple[Path, Path], ext: str) -> tuple[Pat
 
 
 def make_certs(base: Path) -> Certs:
-    """Write the certificates under ``base``; raises CalledProcessError if openssl fails."""
+    """Write the certificates under ``base``. Raises OSError (FileNotFoundError without an
+    ``openssl`` command) or CalledProcessError if openssl fails."""
     base.mkdir(parents=True, exist_ok=True)
     ca = _ca(base, "test-ca")
     rogue = _ca(base, "rogue-ca")
