@@ -121,3 +121,12 @@ def test_none_for_keys_is_an_argument_error(pool: KVPool, call: str) -> None:
     ns = pool.register_namespace(byte_namespace())
     with pytest.raises(ArgumentError, match=r"keys must be a sequence.*got NoneType"):
         getattr(pool, call)(ns, None)
+
+
+def test_offload_threshold_is_not_a_kvpool_setting() -> None:
+    """docs/vllm.md: it is set in vLLM's kv_connector_extra_config only."""
+    with pytest.raises(ConfigError, match=r"pool\.offload_threshold: unknown key"):
+        config_from_dict({"pool": {"offload_threshold": 0.8}})
+    with pytest.raises(ConfigError, match=r"pool\.offload_threshold: unknown key"):
+        load_config(environ={"KVPOOL_POOL__OFFLOAD_THRESHOLD": "0.8"})
+    assert load_config(environ={"KVPOOL_OFFLOAD_THRESHOLD": "0.8"})  # not kvpool's: ignored
