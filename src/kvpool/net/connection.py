@@ -16,6 +16,10 @@ it. A node that stops answering (hung, SIGSTOPped) raises TimeoutError after at 
 ``request_timeout`` of silence on one send or receive. An error answer from the node raises
 RemoteError (AuthError for auth and tenant refusals); the connection stays usable unless the
 node closes it.
+
+With ``cluster.tls`` a TlsNodeConnection (``open_connection(..., tls=...)``, NodePool) speaks
+TLS only: a node whose certificate does not verify raises TlsHandshakeError (an OSError) when
+connecting, before any request is sent.
 """
 
 from __future__ import annotations
