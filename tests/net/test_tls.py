@@ -111,11 +111,22 @@ def test_a_name_that_does_not_match_is_refused(tls_node: NodeProcess, certs: Cer
     open_connection(tls_node.address, tls=loose).close()
 
 
-def test_a_plain_client_gets_a_clear_error_not_a_hang(tls_node: NodeProcess) -> None:
+def test_a_plain_client_gets_a_clear_error_not_a_hang(tls_node: NodeProcess,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     started = time.monotonic()
     with pytest.raises(RemoteError, match=r"accepts TLS connections only.*cluster\.tls"):
         open_connection(tls_node.address, request_timeout=10).ping()
     assert time.monotonic() - started < 5
+    ns = byte_namespace(CHUNK, salt="plain")
+    client = ClusterClient(ClusterConfig(nodes=[tls_node.address], request_timeout_s=10))
+    try:  # through the cluster client: misses, and the reason in its log
+        client.register_namespace(ns)
+        outs = [np.zeros(CHUNK, np.uint8)]
+        assert client.get_many_into(ns, ns.chunk_keys([7]), outs) == [False]
+    finally:
+        client.close()
+    assert time.monotonic() - started < 10
+    assert "accepts TLS connections only" in caplog.text
 
 
 def test_a_tls_client_against_a_plain_node_fails_at_once(node: NodeProcess,
