@@ -102,3 +102,42 @@ def test_what_is_no_ssd_directory_is_bad_usage(tmp_path: Path) -> None:
     empty = verify(tmp_path)
     assert empty.returncode == 2 and "no segment file" in empty.stderr
     assert "Traceback" not in missing.stderr + empty.stderr
+
+
+def test_a_storage_nodes_bad_record_is_named_by_the_clients_chunk_key(tmp_path: Path) -> None:
+    """A node files a chunk under xxh3_128(namespace id + chunk key): verify named only that
+    internal key, which no client knows. --chunk-key names the record by the client's key."""
+    from node_process import NodeProcess
+
+    from kvpool.net.connection import NodeConnection
+    node = NodeProcess(tmp_path / "node").start()
+    keys = [bytes([i]) * 16 for i in (1, 2)]
+    try:
+        conn = NodeConnection(node.address)
+        assert conn.put(NS, keys, [payload_for(k, CHUNK) for k in keys]) == 2
+        conn.close()
+    finally:
+        assert node.terminate() == 0  # SIGTERM flushes the write-behind queue to SSD
+    directory = tmp_path / "node" / "cache" / "ssd"
+    _, clean = report(directory)
+    used = [s for s in clean["segments"] if s["state"] == "used"]
+    assert len(used) == 1 and clean["totals"]["good"] == 2
+    path = directory / f"seg-{used[0]['number']:05d}.kvs"
+    fd = os.open(path, os.O_RDWR)
+    try:  # the first record's payload, right after the segment header and its header block
+        at = HEADER_BLOCK + HEADER_BLOCK + 1000
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+    finally:
+        os.close(fd)
+    out = verify(directory, "--json", "--chunk-key", keys[0].hex(), "--chunk-key",
+                 keys[1].hex())
+    bad = json.loads(out.stdout)["segments"][used[0]["number"]]["bad_records"]
+    assert len(bad) == 1 and bad[0]["namespace"] == NS.id.hex()
+    first = bad[0]
+    assert first["chunk_key"] in {k.hex() for k in keys} and first["key"] != first["chunk_key"]
+    assert "storage node" in first["filed_as"]
+    table = " ".join(verify(directory, "--chunk-key", first["chunk_key"]).stdout.split())
+    assert f"chunk key {first['chunk_key']}, filed by a storage node" in table, table
+    plain = " ".join(verify(directory).stdout.split())  # unwrapped
+    assert f"filed key {first['key']}" in plain and "--chunk-key" in plain
+    assert verify(directory, "--chunk-key", "abc").returncode == 2

@@ -16,10 +16,20 @@ def check_namespace_type(ns: object) -> None:
 
 
 def check_key(key: bytes, what: str = "key") -> None:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        got = (f"{len(key)} bytes" if isinstance(key, bytes | bytearray | memoryview)
-               else type(key).__name__)
-        raise ArgumentError(f"{what} must be a chunk key of {KEY_BYTES} bytes, got {got}")
+    """Raises ArgumentError unless ``key`` is ``bytes`` of KEY_BYTES; the message names what
+    is wrong: the length, or the type (a bytearray or memoryview is refused even at the
+    right length: keys are dict keys and must be immutable; pass ``bytes(key)``)."""
+    if isinstance(key, bytes):
+        if len(key) != KEY_BYTES:
+            raise ArgumentError(f"{what} must be a chunk key of {KEY_BYTES} bytes, got "
+                                f"{len(key)} bytes")
+        return
+    if isinstance(key, bytearray | memoryview):
+        raise ArgumentError(f"{what} must be a chunk key of type bytes, got a "
+                            f"{type(key).__name__} of {memoryview(key).nbytes} bytes (pass "
+                            "bytes(key): keys must be immutable)")
+    raise ArgumentError(f"{what} must be a chunk key of {KEY_BYTES} bytes, got "
+                        f"{type(key).__name__}")
 
 
 def check_keys(keys: Sequence[bytes]) -> None:

@@ -13,7 +13,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    config = sub.add_parser("config", help="print the effective settings (YAML) or their docs")
+    config = sub.add_parser("config", help="print the effective settings (YAML; tokens "
+                            "shown as ***) or their docs")
     config.add_argument("--config", help="YAML file (default: $KVPOOL_CONFIG)")
     config.add_argument("--doc", action="store_true", help="print every knob as Markdown")
     config.set_defaults(func=_config_command)
@@ -80,7 +81,7 @@ def _config_command(args: argparse.Namespace) -> int:
         return 0
     import yaml
 
-    from kvpool.config import load_config
+    from kvpool.config import load_config, redact_secrets
     from kvpool.errors import ConfigError
     try:
         cfg = load_config(args.config)
@@ -90,7 +91,8 @@ def _config_command(args: argparse.Namespace) -> int:
     if cfg.dram.warm_cache_ratio is not None:
         print(f"# dram.capacity resolved from dram.warm_cache_ratio={cfg.dram.warm_cache_ratio}"
               " of this host's memory; a file may set one of the two, not both")
-    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
+    # Tokens are secrets: printed as *** (a config is pasted into tickets and chats).
+    print(yaml.safe_dump(redact_secrets(cfg.model_dump()), sort_keys=False), end="")
     return 0
 
 

@@ -5,7 +5,10 @@ keys and bad values raise ConfigError with a message naming the key, e.g. ``dram
 
 Environment overrides use a double underscore between section and key:
 ``KVPOOL_DRAM__CAPACITY=8GiB``, ``KVPOOL_SSD__DURABILITY=durable``, ``KVPOOL_CACHE_DIR=/x``.
-``KVPOOL_CONFIG`` names the YAML file to load when no path is given.
+Only those are settings: a ``KVPOOL_`` variable with ``__`` in its name (an unknown section
+or key there is refused, naming it), or one named after a top-level key (``KVPOOL_CACHE_DIR``).
+Any other ``KVPOOL_*`` variable (``KVPOOL_BIN`` of a wrapper script) is not kvpool's and is
+ignored. ``KVPOOL_CONFIG`` names the YAML file to load when no path is given.
 """
 
 from __future__ import annotations
@@ -195,6 +198,28 @@ class TenantToken(_Section):
     tenants: list[str] = Field(min_length=1, description="Tenants this token may use. A namespace belongs to the tenant named before the first ':' of its tenant_salt.")
 
 
+class ServerTlsConfig(_Section):
+    """TLS on a storage node's client port (Python's ``ssl``). Off while ``cert_file`` is
+    unset; then every connection is plain TCP."""
+
+    cert_file: str | None = Field(None, description="PEM certificate chain the node presents (its names or IP addresses must match what clients dial, or cluster.tls.server_name). Set: the node speaks TLS only; a plain client's first request is answered BAD_REQUEST naming this key, and the connection closed.")
+    key_file: str | None = Field(None, description="PEM private key of cert_file (required with it). A file that cannot be read or does not match stops kvpool serve (exit 2) naming the key.")
+    client_ca_file: str | None = Field(None, description="Mutual TLS: a client must present a certificate signed by a CA in this PEM file, else its handshake fails and the connection is closed (counted as tls_handshake_failures in STATS). Unset: clients are not asked for a certificate (use server.auth tokens).")
+
+    @model_validator(mode="after")
+    def _pairs(self) -> ServerTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("server.tls.cert_file and server.tls.key_file: set both or neither")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ValueError("server.tls.client_ca_file: needs server.tls.cert_file and "
+                             "server.tls.key_file")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
 class ServerConfig(_Section):
     """A storage node (`kvpool serve`): DRAM + SSD behind the binary protocol."""
 
@@ -220,6 +245,7 @@ class ServerConfig(_Section):
     net_threads: int = Field(16, ge=1, le=256, description="Network threads that move large payloads (see offload_bytes).")
     lane_connections: int = Field(16, ge=0, le=256, description="Up to this many connections at once that have moved a payload of at least offload_bytes are each served by a thread of their own from then on (blocking socket calls, GETs and PUTs served on that thread; other requests still go through the event loop). The rest stay on the event loop. 0 = none.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics at http://<host>:<metrics_port>/metrics (the node's pool, its tiers and its server; 0 = any free port). Registered in etcd beside the node's address, so kvpool monitor finds it. Unset: none.")
+    tls: ServerTlsConfig = Field(default_factory=lambda: ServerTlsConfig(), description="TLS for client connections.")
     inline_exists_keys: int = Field(4096, ge=0, description="An EXISTS or EXISTS_PREFIX of at most this many keys that arrives while no other request is in flight is probed on the event loop (in-memory index lookups) instead of a worker thread: the hop there and back cost more than the probe. 0 = always on a worker.")
 
     @model_validator(mode="before")
@@ -244,6 +270,29 @@ class ServerConfig(_Section):
                              "every connection already sees node-wide STATS)")
         if any(t.token == self.admin_token for t in self.auth):
             raise ValueError("server.admin_token: must differ from every server.auth token")
+        return self
+
+
+class ClusterTlsConfig(_Section):
+    """TLS from a client (an engine's pool, kvpool admin, the bench) to the storage nodes."""
+
+    enabled: bool = Field(False, description="Connect to every node with TLS and verify its certificate; a node whose certificate does not verify (or a plain node) is marked down and its requests are misses, never retried in plain text. false: plain TCP (the other keys must then be unset).")
+    ca_file: str | None = Field(None, description="PEM file of the CAs that sign the nodes' certificates. Unset: the system's default CAs.")
+    cert_file: str | None = Field(None, description="PEM client certificate, for nodes that require one (server.tls.client_ca_file).")
+    key_file: str | None = Field(None, description="PEM private key of cert_file (required with it).")
+    server_name: str | None = Field(None, description="Name every node's certificate must carry instead of the host the client dials (one certificate shared by all nodes). Unset: the dialled host or IP address.")
+    check_hostname: bool = Field(True, description="Check the certificate's name (server_name or the dialled host). false: any certificate the CAs signed is accepted (the chain is always verified).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cluster.tls.cert_file and cluster.tls.key_file: set both or "
+                             "neither")
+        if not self.enabled:
+            for key in ("ca_file", "cert_file", "server_name"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"cluster.tls.{key}: set cluster.tls.enabled: true too "
+                                     "(without it the client connects in plain text)")
         return self
 
 
@@ -273,6 +322,7 @@ class ClusterConfig(_Section):
     read_repair_bytes: Size = Field(64 << 20, description="Client read repair: bytes of chunks queued to be written back to a replica a read found without them (sent by a background thread); full = the repair is dropped (counted as read_repair_dropped). 0 turns read repair off.")
     repair_bytes_per_s: Size = Field(64 << 20, description="Node re-replication and drain copying (docs/cluster.md): chunk bytes per second a node sends to its peers (token bucket). 0 turns node-side repair off.")
     repair_delay_s: float = Field(3.0, ge=0, description="A node starts re-replicating this long after the last membership change it saw (joins, leaves, drains): a burst of changes costs one pass.")
+    tls: ClusterTlsConfig = Field(default_factory=lambda: ClusterTlsConfig(), description="TLS to the storage nodes.")
 
     @property
     def enabled(self) -> bool:
@@ -324,15 +374,30 @@ def _default_cache_dir() -> Path:
 
 
 ENV_PREFIX = "KVPOOL_"
+ENV_DELIMITER = "__"
 _ENV_NOT_SETTINGS = {"KVPOOL_CONFIG"}
+
+
+def is_setting_variable(name: str) -> bool:
+    """Whether environment variable ``name`` is a settings override: ``KVPOOL_`` then
+    ``<SECTION>__<KEY>`` (validated: a typo is refused), or a top-level key that is not a
+    section (``KVPOOL_CACHE_DIR``). Other ``KVPOOL_*`` names belong to other tools."""
+    if not name.startswith(ENV_PREFIX) or name in _ENV_NOT_SETTINGS:
+        return False
+    rest = name[len(ENV_PREFIX):]
+    if ENV_DELIMITER in rest:
+        return True
+    field = Config.model_fields.get(rest.lower())
+    return field is not None and not (isinstance(field.annotation, type)
+                                      and issubclass(field.annotation, BaseModel))
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in _ENV_NOT_SETTINGS:
+        if not is_setting_variable(name):
             continue
-        path = name[len(ENV_PREFIX):].lower().split("__")
+        path = name[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -340,6 +405,25 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
                 raise ConfigError(f"{name}: conflicts with another KVPOOL_ variable")
         # YAML parsing turns "true"/"4"/"0.5" into the right scalar; sizes stay strings.
         node[path[-1]] = yaml.safe_load(value) if value.strip() else value
+    return out
+
+
+#: Settings whose values are secrets: ``kvpool config`` prints them as REDACTED.
+SECRET_KEYS = ("server.auth[].token", "server.admin_token", "cluster.token")
+REDACTED = "***"
+
+
+def redact_secrets(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``Config.model_dump()`` output with every token (SECRET_KEYS) that is set
+    replaced by REDACTED; file paths (TLS keys included) are kept."""
+    out = {**data}
+    server = out["server"] = {**data["server"]}
+    server["auth"] = [{**t, "token": REDACTED} for t in data["server"]["auth"]]
+    if server.get("admin_token") is not None:
+        server["admin_token"] = REDACTED
+    cluster = out["cluster"] = {**data["cluster"]}
+    if cluster.get("token") is not None:
+        cluster["token"] = REDACTED
     return out
 
 

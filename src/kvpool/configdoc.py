@@ -48,7 +48,8 @@ YRCLOUDFILE_SECTION = [
     "the whole request or none of it. 0 (default) saves every request. A skipped request is "
     "not in kvpool after a restart, for other engines, or once vLLM evicts it. The HF "
     "integration has no such figure (transformers keeps no shared KV block pool) and always "
-    "saves. |",
+    "saves. It is a key of the connector's settings only: kvpool's YAML and `KVPOOL_*` "
+    "variables cannot set it. |",
     "| `block_size` | none: 4096 bytes, fixed | SSD alignment. Every record starts on a 4 "
     "KiB boundary and the on-disk format counts in 4 KiB blocks (the index, segment "
     "summaries, recovery scans), so it is part of the format, not a tunable: a directory "
@@ -180,9 +181,14 @@ def config_markdown() -> str:
         "",
         "One YAML file (`--config FILE` where a command takes it, else `$KVPOOL_CONFIG`),",
         "then environment overrides `KVPOOL_<SECTION>__<KEY>` (e.g.",
-        "`KVPOOL_DRAM__CAPACITY=8GiB`). Sizes take B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB,",
-        "TB (decimal). Unknown keys and bad values are refused with a message naming the key.",
-        "`kvpool config` prints the effective settings; `kvpool config --doc` prints these tables.",
+        "`KVPOOL_DRAM__CAPACITY=8GiB`, `KVPOOL_CLUSTER__TLS__ENABLED=true`) and",
+        "`KVPOOL_CACHE_DIR`. Any other `KVPOOL_*` variable (no `__` in its name, not a",
+        "top-level key: `KVPOOL_BIN` of a wrapper script) is not kvpool's and is ignored. Sizes",
+        "take B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal). Unknown keys (a",
+        "misspelt `KVPOOL_DRAM__CAPACITYY` too) and bad values are refused with a message naming",
+        "the key. `kvpool config` prints the effective settings, with every token",
+        "(`server.auth[].token`, `server.admin_token`, `cluster.token`) shown as `***`;",
+        "`kvpool config --doc` prints these tables.",
         "",
         *header,
         *_rows(Config, Config(cache_dir="~/.cache/kvpool")),

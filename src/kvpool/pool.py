@@ -75,6 +75,10 @@ class ChunkReservation:
             self.slot.abort()
 
 
+#: ``_registered`` without keys to check.
+_NO_KEYS = object()
+
+
 class KVPool:
     """Embedded (in-process) pool. ``KVPool()`` uses the YAML config named by $KVPOOL_CONFIG
     (or the defaults) with ``KVPOOL_*`` overrides; pass a Config to be explicit.
@@ -185,14 +189,17 @@ class KVPool:
         with self._lock:
             self._namespaces.pop(ns.id, None)
 
-    def _registered(self, ns: Namespace, keys: Sequence[bytes] | None = None) -> Namespace:
+    def _registered(self, ns: Namespace, keys: Sequence[bytes] | object = _NO_KEYS) -> Namespace:
+        """``ns`` after checking the pool is open and ``ns`` registered, and ``keys`` (when
+        passed: None is checked, and refused, like any other non-sequence) with check_keys.
+        Raises PoolClosedError, ArgumentError, UnknownNamespaceError."""
         self._check_open()
         check_namespace_type(ns)
         if ns.id not in self._namespaces:
             raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
                                         "registered; call register_namespace first")
-        if keys is not None:
-            check_keys(keys)
+        if keys is not _NO_KEYS:
+            check_keys(keys)  # type: ignore[arg-type]
         return ns
 
     def _check_open(self) -> None:

@@ -28,9 +28,12 @@ def test_tiny_remote_bench_reports_every_ratio() -> None:
     rows = result.pop("_rows")
     data = json.loads(json.dumps(result, default=str))
     for name in ("remote_get_vs_raw_socket", "remote_put_vs_raw_socket", "remote_get_vs_redis",
-                 "remote_put_vs_redis", "remote_get_vs_redis_4t"):
+                 "remote_put_vs_redis", "remote_get_vs_redis_4t", "remote_get_tls_vs_plain"):
         assert _positive(data["ratios"][name]), name
     assert _positive(data["exists_prefix_512_p99_ms"])
+    tls = data["tls"]  # the same GET case through a TLS node, passes alternating with plain
+    assert tls["chunk_bytes"] == TINY.headline_size and tls["threads"] == 1
+    assert len(tls["kvpool"]["pass_wall_s"]) == len(tls["reference"]["pass_wall_s"]) == 2
     assert set(data["exists_prefix"]) == {"kvpool", "raw", "redis"}
     ids = {c["id"] for c in data["cases"]}
     for size in TINY.sizes:

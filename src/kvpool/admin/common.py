@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 from kvpool.cluster.membership import NodeInfo
 from kvpool.config import ClusterConfig, Config, load_config
 from kvpool.errors import ConfigError, KVPoolError
-from kvpool.net.connection import NodeConnection
+from kvpool.net.connection import NodeConnection, open_connection
 from kvpool.net.protocol import ProtocolError, RemoteError
+from kvpool.net.tls import client_tls
 
 OK, FAILED, USAGE = 0, 1, 2
 #: Admin requests may take longer than the data path's (an invalidation walks DRAM).
@@ -117,9 +118,11 @@ def on_node(cluster: ClusterConfig, node: NodeInfo, fn: Callable[[NodeConnection
     """Run ``fn`` on a fresh connection to ``node`` (cluster.token, the cluster's timeouts,
     at least MIN_REQUEST_TIMEOUT_S per request). Raises NodeFailure naming what went wrong."""
     try:
-        conn = NodeConnection(node.address(), cluster.token, cluster.connect_timeout_s,
-                              max(cluster.request_timeout_s, MIN_REQUEST_TIMEOUT_S),
-                              cluster.socket_buffer_bytes)
+        conn = open_connection(node.address(), cluster.token, cluster.connect_timeout_s,
+                               max(cluster.request_timeout_s, MIN_REQUEST_TIMEOUT_S),
+                               cluster.socket_buffer_bytes, client_tls(cluster.tls))
+    except ConfigError as exc:  # a cluster.tls file that cannot be loaded
+        raise NodeFailure(str(exc)) from None
     except OSError as exc:
         raise NodeFailure(f"unreachable at {node.address()}: {exc}") from None
     except RemoteError as exc:

@@ -15,6 +15,11 @@ with 1 and 4 threads (a connection per thread for every system); each op moves o
 
 Passes alternate kvpool / raw / Redis so machine noise hits all three; each GET pass checks the
 last chunk every thread read against the bytes written.
+
+TLS: a second node with ``server.tls`` (throwaway certificates from ``openssl``) serves the same
+GET case (headline size, 1 thread) to a client with ``cluster.tls``; passes alternate TLS and
+plain, and ``remote_get_tls_vs_plain`` is the median TLS pass's throughput / the median plain
+pass's (< 1: what TLS costs). Skipped, with a note in ``info``, without an ``openssl`` command.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 import yaml
 from rich.console import Console
 
+from kvpool.bench.certs import make_certs, openssl_available
 from kvpool.bench.remote_peers import Process, RawClient, start_raw_server, start_redis
 from kvpool.bench.stats import (
     BenchFailure,
@@ -49,7 +55,7 @@ from kvpool.bench.stats import (
 )
 from kvpool.bench.storage_common import namespace_for
 from kvpool.buffers import byte_view
-from kvpool.config import ClusterConfig, parse_size
+from kvpool.config import ClusterConfig, ClusterTlsConfig, parse_size
 from kvpool.keys import Namespace
 from kvpool.net.client import ClusterClient
 
@@ -98,19 +104,26 @@ class _Systems:
     redis: Any | None
 
 
-def _start_node(scratch: Path, plan: RemotePlan) -> Process:
-    biggest = max(plan.sizes)
+def _start_node(scratch: Path, plan: RemotePlan, tls: dict[str, str] | None = None,
+                name: str = "node") -> Process:
+    """The kvpool node: DRAM for every size's GET set (only the headline size's with
+    ``tls``, the TLS case's node), TLS when ``tls`` (server.tls) is given."""
+    sizes = (plan.headline_size,) if tls else plan.sizes
+    biggest = max(sizes)
     slab = max(64 * MiB, biggest)
     # Every size's GET set stays resident (PUT passes evict within their size class).
     per_size = max(plan.pass_bytes, plan.min_chunks * biggest) + 2 * slab
-    cfg = {"cache_dir": str(scratch / "node"),
-           "dram": {"capacity": len(plan.sizes) * per_size, "slab_size": slab,
+    server: dict[str, Any] = {"host": "127.0.0.1", "port": 0,
+                              "metrics_port": 0 if plan.metrics else None}
+    if tls:
+        server["tls"] = tls
+    cfg = {"cache_dir": str(scratch / name),
+           "dram": {"capacity": len(sizes) * per_size, "slab_size": slab,
                     "prefault": "start"},
            "ssd": {"enabled": False},
            "metrics": {"enabled": plan.metrics},
-           "server": {"host": "127.0.0.1", "port": 0,
-                      "metrics_port": 0 if plan.metrics else None}}
-    path = scratch / "node.yaml"
+           "server": server}
+    path = scratch / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return Process([sys.executable, "-m", "kvpool.cli", "serve", "--config", str(path)],
                    "listening on ")
@@ -247,6 +260,53 @@ def _bench_exists(sys_: _Systems, plan: RemotePlan) -> dict[str, Any]:
                    "calls": len(v)} for name, v in lat.items() if v}
 
 
+def _bench_tls(sys_: _Systems, plan: RemotePlan, scratch: Path,
+               log: Callable[[str], None]) -> Comparison:
+    """The GET case at the headline size, 1 thread, through a TLS node (kvpool) vs the plain
+    node (reference), passes alternating. Raises BenchFailure on wrong bytes, OSError /
+    CalledProcessError if the certificates cannot be made, RuntimeError if the node cannot
+    start."""
+    certs = make_certs(scratch / "certs")
+    size = plan.headline_size
+    node = _start_node(scratch, plan, {"cert_file": str(certs.node_cert),
+                                       "key_file": str(certs.node_key)}, "tls-node")
+    tls_kv = None
+    try:
+        tls_kv = ClusterClient(ClusterConfig(
+            nodes=[f"127.0.0.1:{node.port}"], request_timeout_s=60,
+            tls=ClusterTlsConfig(enabled=True, ca_file=str(certs.ca))))
+        ns = namespace_for(size)
+        clients = {"tls": tls_kv, "plain": sys_.kv}
+        n = plan.chunks(size)
+        data = np.random.default_rng(size + 1).integers(0, 256, size, dtype=np.uint8)
+        keys = [os.urandom(16) for _ in range(n)]
+        for kv in clients.values():
+            kv.register_namespace(ns)
+            if kv.put_many([(k, ns, byte_view(data)) for k in keys]) != n:
+                raise BenchFailure("the TLS case could not store its chunks")
+        out = np.zeros(size, np.uint8)
+        out_view = byte_view(out, writable=True)
+        timings = {name: Timing(size) for name in clients}
+        items = list(range(plan.ops(size, 1)))
+        for _ in range(plan.repeats):
+            for name, kv in clients.items():
+                def get(t: int, i: int, kv: ClusterClient = kv) -> bool:
+                    return kv.get_many_into(ns, [keys[i % n]], [out_view])[0]
+                out[:] = 0
+                timings[name].add(run_pass(get, items, 1))
+                _verify(f"{name} get", out, data)
+        sys_.kv.invalidate(ns)
+    finally:
+        if tls_kv is not None:
+            tls_kv.close()
+        node.close()
+    row = Comparison("remote", "get", size, 1, timings["tls"], timings["plain"], "plain",
+                     note="kvpool = through a TLS node; reference = the plain node")
+    log(f"  get {human_bytes(size)} 1t over TLS: {row.kvpool.gb_per_s:.2f} GB/s, plain "
+        f"{row.reference.gb_per_s:.2f} GB/s ({row.ratio:.2f}x)")
+    return row
+
+
 def _ratio(rows: Sequence[Comparison], case: str, size: int, threads: int,
            ref: str) -> float | None:
     for r in rows:
@@ -264,6 +324,7 @@ def run_remote_bench(plan: RemotePlan,
     procs: list[Process] = []
     systems: _Systems | None = None
     rows: list[Comparison] = []
+    tls_row: Comparison | None = None
     info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count()}
     try:
         node = _start_node(scratch, plan)
@@ -291,6 +352,11 @@ def run_remote_bench(plan: RemotePlan,
             log(f"{human_bytes(size)} chunks: {plan.chunks(size)} per pass")
             _bench_size(systems, plan, size, rows, log)
         exists = _bench_exists(systems, plan)
+        if openssl_available():
+            tls_row = _bench_tls(systems, plan, scratch, log)
+        else:
+            info["tls"] = "skipped: no openssl command to make throwaway certificates"
+            log("openssl missing: the TLS case skipped")
     finally:
         if systems is not None:
             systems.kv.close()
@@ -308,17 +374,21 @@ def run_remote_bench(plan: RemotePlan,
                 if value is not None:
                     suffix = "" if threads == 1 else f"_{threads}t"
                     ratios[f"remote_{op}_vs_{name}{suffix}"] = value
+    if tls_row is not None:
+        ratios["remote_get_tls_vs_plain"] = tls_row.ratio
     return {
         "bench": "remote",
         "quick": plan.quick,
         "plan": asdict(plan),
         "ratios": ratios,
         "ratio_basis": f"kvpool / reference throughput at {human_bytes(h)} chunks, 1 thread "
-                       "(suffix _4t: 4 threads), one chunk per op",
+                       "(suffix _4t: 4 threads), one chunk per op; tls_vs_plain: GETs "
+                       "through a TLS node / the plain node, median passes",
         "exists_prefix_512_p99_ms": exists["kvpool"]["p99_ms"],
         "exists_prefix": exists,
         "cases": [dict(r.to_json(), id=f"{r.case}/{r.chunk_bytes}/{r.threads}t/"
                                        f"{r.reference_name}") for r in rows],
+        "tls": None if tls_row is None else tls_row.to_json(),
         "info": info,
         "elapsed_s": time.perf_counter() - started,
         "_rows": rows,

@@ -45,6 +45,7 @@ from kvpool.net.connection import NodeConnection, NodePool
 from kvpool.net.placement import holders, replicas
 from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
 from kvpool.net.read_repair import ReadRepairer
+from kvpool.net.tls import client_tls
 from kvpool.net.touch import ReplicaToucher
 
 log = logging.getLogger("kvpool.cluster")
@@ -66,6 +67,7 @@ class ClusterClient:
     def __init__(self, cfg: ClusterConfig, membership: Membership | None = None) -> None:
         self.cfg = cfg
         self.membership = membership if membership is not None else membership_for(cfg)
+        self._tls = client_tls(cfg.tls)  # None: plain TCP; raises TlsConfigError
         self._pools: dict[str, NodePool] = {}
         self._down_until: dict[str, float] = {}
         self._runs: dict[str, tuple[str | None, str]] = {}  # node id -> (incarnation, address)
@@ -117,7 +119,7 @@ class ClusterClient:
                                                          c.connections_per_node,
                                                          c.connect_timeout_s,
                                                          c.request_timeout_s,
-                                                         c.socket_buffer_bytes)
+                                                         c.socket_buffer_bytes, self._tls)
                 if self._down_until.get(node.node_id, 0.0) <= now:
                     out.append(node.node_id)
             if stale is not None:

@@ -16,6 +16,10 @@ it. A node that stops answering (hung, SIGSTOPped) raises TimeoutError after at 
 ``request_timeout`` of silence on one send or receive. An error answer from the node raises
 RemoteError (AuthError for auth and tenant refusals); the connection stays usable unless the
 node closes it.
+
+With ``cluster.tls`` a TlsNodeConnection (``open_connection(..., tls=...)``, NodePool) speaks
+TLS only: a node whose certificate does not verify raises TlsHandshakeError (an OSError) when
+connecting, before any request is sent.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from kvpool.net.protocol import (
     parse_flags,
     unpack_header,
 )
+from kvpool.net.tls import ClientTls
 
 IOV_MAX = 512  # iovecs per sendmsg: under the kernel's limit (UIO_MAXIOV, 1024)
 _DEFAULTS = ClusterConfig()
@@ -86,10 +91,9 @@ class NodeConnection:
                  request_timeout: float = 5.0,
                  socket_buffer_bytes: int = _DEFAULTS.socket_buffer_bytes) -> None:
         self.address = address
-        self.sock = socket.create_connection(parse_address(address), timeout=connect_timeout)
+        self.sock = self._dial(connect_timeout, socket_buffer_bytes)
         try:
-            tune_socket(self.sock, socket_buffer_bytes)
-            set_kernel_timeouts(self.sock, request_timeout)
+            self._set_timeouts(request_timeout)
             self._timeout = request_timeout
             self._req_id = 0
             self._header = memoryview(bytearray(HEADER_BYTES))
@@ -102,6 +106,19 @@ class NodeConnection:
         except BaseException:
             self.sock.close()
             raise
+
+    def _dial(self, connect_timeout: float, socket_buffer_bytes: int) -> socket.socket:
+        """The connected, tuned socket. Raises OSError."""
+        sock = socket.create_connection(parse_address(self.address), timeout=connect_timeout)
+        try:
+            tune_socket(sock, socket_buffer_bytes)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _set_timeouts(self, request_timeout: float) -> None:
+        set_kernel_timeouts(self.sock, request_timeout)
 
     def close(self) -> None:
         self.sock.close()
@@ -289,13 +306,72 @@ class NodeConnection:
         return result
 
 
+class TlsNodeConnection(NodeConnection):
+    """A NodeConnection over TLS (cluster.tls): the handshake verifies the node's certificate
+    before any request (TlsHandshakeError, an OSError, if it does not verify). An SSL socket
+    takes no receive flags and no sendmsg, and its timeouts are Python's (with kernel ones a
+    blocking SSL read would retry forever): each buffer is sent whole and received in TLS
+    records, and a node silent for ``request_timeout`` raises TimeoutError as on the plain
+    path."""
+
+    def __init__(self, address: str, token: str | None, connect_timeout: float,
+                 request_timeout: float, socket_buffer_bytes: int, tls: ClientTls) -> None:
+        self._tls = tls
+        super().__init__(address, token, connect_timeout, request_timeout, socket_buffer_bytes)
+
+    def _dial(self, connect_timeout: float, socket_buffer_bytes: int) -> socket.socket:
+        sock = super()._dial(connect_timeout, socket_buffer_bytes)
+        return self._tls.wrap(sock, parse_address(self.address)[0], self.address)
+
+    def _set_timeouts(self, request_timeout: float) -> None:
+        self.sock.settimeout(request_timeout)
+
+    def _send(self, buffers: list[memoryview]) -> None:
+        try:
+            for buf in buffers:
+                if buf.nbytes:
+                    self.sock.sendall(buf)
+        except TimeoutError:
+            raise self._timed_out() from None
+
+    def _recv_all(self, bufs: list[memoryview]) -> None:
+        try:
+            for buf in bufs:
+                view = buf.cast("B") if buf.format != "B" else buf
+                got = 0
+                while got < view.nbytes:
+                    n = self.sock.recv_into(view[got:])
+                    if n == 0:
+                        raise ConnectionError(f"node {self.address} closed the connection")
+                    got += n
+        except TimeoutError:
+            raise self._timed_out() from None
+
+
+def open_connection(address: str, token: str | None = None, connect_timeout: float = 0.5,
+                    request_timeout: float = 5.0,
+                    socket_buffer_bytes: int = _DEFAULTS.socket_buffer_bytes,
+                    tls: ClientTls | None = None) -> NodeConnection:
+    """A connection to the node at ``address``: over TLS when ``tls`` is given (never plain
+    then), else plain TCP. Raises what the constructors raise (OSError, TlsHandshakeError,
+    RemoteError for a refused token)."""
+    if tls is None:
+        return NodeConnection(address, token, connect_timeout, request_timeout,
+                              socket_buffer_bytes)
+    return TlsNodeConnection(address, token, connect_timeout, request_timeout,
+                             socket_buffer_bytes, tls)
+
+
 class NodePool:
-    """Up to ``size`` idle connections to one node, shared by threads."""
+    """Up to ``size`` idle connections to one node, shared by threads; over TLS when ``tls``
+    is given."""
 
     def __init__(self, address: str, token: str | None, size: int, connect_timeout: float,
-                 request_timeout: float, socket_buffer_bytes: int) -> None:
+                 request_timeout: float, socket_buffer_bytes: int,
+                 tls: ClientTls | None = None) -> None:
         self.address = address
         self._args = (token, connect_timeout, request_timeout, socket_buffer_bytes)
+        self._tls = tls
         self._size = size
         self._idle: list[NodeConnection] = []
         self._lock = threading.Lock()
@@ -311,7 +387,9 @@ class NodePool:
         with self._lock:
             if self._idle:
                 return self._idle.pop(), True
-        return NodeConnection(self.address, *self._args), False
+        if self._tls is None:
+            return NodeConnection(self.address, *self._args), False
+        return TlsNodeConnection(self.address, *self._args, self._tls), False
 
     def give_back(self, conn: NodeConnection) -> None:
         """Keep ``conn`` for the next exchange (closed when the pool is full)."""

@@ -58,6 +58,9 @@ class Lane:
     or the node drains. The caller has taken the lane (``Traffic.take_lane``); ``run`` gives
     it back."""
 
+    #: Flags of a payload's receive: all of it in one call (an SSL socket takes none).
+    PAYLOAD_RECV_FLAGS: int = socket.MSG_WAITALL
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.sock = conn.sock
@@ -205,7 +208,7 @@ class Lane:
                 view[got:got + take] = self._inbox[:take]
                 self._have, self._used = n, take
             else:
-                n = take = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                n = take = self.sock.recv_into(view[got:], 0, self.PAYLOAD_RECV_FLAGS)
             if n == 0:
                 raise ConnectionError("peer closed the connection")
             got += take

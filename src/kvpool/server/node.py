@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,6 +104,7 @@ class StorageNode:
         self.config = config
         self._reload_config = reload_config
         srv = config.server
+        self.tls = self._tls_context(config)  # None: plain TCP
         self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
                                            thread_name_prefix="kvpool-node")
         self.traffic = Traffic(srv.net_threads,
@@ -132,6 +134,7 @@ class StorageNode:
             self.listener.close()
             raise
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
+        self._tls_threads: ThreadPoolExecutor | None = None  # server.tls's connections
         self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
         self.exit_status = 0  # 2 once another node took this node id (registration lost)
         self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
@@ -151,6 +154,31 @@ class StorageNode:
                 self.listener.close()
                 self.pool.close()
                 raise
+
+    @staticmethod
+    def _tls_context(config: Config) -> ssl.SSLContext | None:
+        """server.tls's context (None when off). Raises NodeStartError naming the key of a
+        file that cannot be loaded."""
+        if not config.server.tls.enabled:
+            return None
+        from kvpool.net.tls import TlsConfigError, server_context
+        try:
+            return server_context(config.server.tls)
+        except TlsConfigError as exc:
+            raise NodeStartError(str(exc)) from None
+
+    def _connection(self, sock: socket.socket, refusal: str | None = None) -> Connection:
+        """The connection object for an accepted socket: over TLS (a thread of its own,
+        server/tls.py) when server.tls is set, else plain on the event loop."""
+        if self.tls is None:
+            return Connection(self.store, self.traffic, sock, refusal)
+        from kvpool.server.tls import TlsConnection
+        if self._tls_threads is None:  # one per connection: max_connections + max_refusing
+            srv = self.config.server
+            self._tls_threads = ThreadPoolExecutor(srv.max_connections + srv.max_refusing,
+                                                   thread_name_prefix="kvpool-node-tls")
+        return TlsConnection(self.store, self.traffic, sock, self.tls, self._tls_threads,
+                             refusal)
 
     def _metrics_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"connections": len(self._connections),
@@ -272,7 +300,7 @@ class StorageNode:
             self._refuse(sock, limit)
             return
         self.count("connections_accepted")
-        self._start(Connection(self.store, self.traffic, sock), self._connections)
+        self._start(self._connection(sock), self._connections)
 
     def _refuse(self, sock: socket.socket, limit: int) -> None:
         """Over max_connections: answer the first request BUSY (within auth_timeout_s), then
@@ -287,8 +315,7 @@ class StorageNode:
             sock.close()
             return
         message = f"node {self.node_id} already serves server.max_connections={limit}"
-        self._start(Connection(self.store, self.traffic, sock, refusal=message),
-                    self._refusing)
+        self._start(self._connection(sock, refusal=message), self._refusing)
 
     def _start(self, conn: Connection, table: dict[asyncio.Task[None], Connection]) -> None:
         task = asyncio.create_task(self._serve_connection(conn))
@@ -460,6 +487,8 @@ class StorageNode:
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
         self.traffic.shutdown()
+        if self._tls_threads is not None:
+            self._tls_threads.shutdown(wait=True)
 
 
 @contextlib.contextmanager
