@@ -45,7 +45,10 @@ class Fleet:
 
     def client(self, *namespaces: Namespace, **kw: Any) -> ClusterClient:
         s = self.cluster_settings
+        # The nodes' lease TTL, so a vanished node leaves the view after the same grace
+        # (cluster.membership_grace_s: 2 x lease_ttl_s) a client of this fleet would give it.
         c = ClusterClient(ClusterConfig(etcd=s["etcd"], name=s["name"], replicas=s["replicas"],
+                                        lease_ttl_s=s["lease_ttl_s"],
                                         token=s.get("token"), retry_down_s=0.3,
                                         request_timeout_s=5.0, **kw))
         self.wait_live(c, set(self.procs))
