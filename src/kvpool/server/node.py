@@ -236,15 +236,19 @@ class StorageNode:
             raise NodeStartError(f"cache_dir={self.config.cache_dir}: cannot keep the node "
                                  f"identity: {exc}") from None
         try:
-            watch = EtcdMembership(cluster.etcd, cluster.name, grace_s=cluster.grace_s)
-            self._drain_watch = watch
-            self.store.drain_flag = lambda: self.node_id in watch.drained_nodes()
             metrics_port = self.metrics_server.port if self.metrics_server else None
             reg = NodeRegistration(cluster.etcd, cluster.name,
                                    NodeInfo(self.node_id, self.host, self.port, metrics_port,
                                             incarnation=new_incarnation(), identity=identity),
                                    cluster.lease_ttl_s, on_taken=self._node_id_taken)
-            reg.start()
+            reg.start()  # first: a node id that is taken is refused before anything is logged
+            try:
+                watch = EtcdMembership(cluster.etcd, cluster.name, grace_s=cluster.grace_s)
+            except BaseException:
+                reg.close()
+                raise
+            self._drain_watch = watch
+            self.store.drain_flag = lambda: self.node_id in watch.drained_nodes()
         except NodeIdTakenError as exc:
             raise NodeStartError(str(exc)) from None
         except (EtcdError, ValueError) as exc:
