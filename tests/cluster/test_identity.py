@@ -156,3 +156,22 @@ def test_a_node_whose_key_another_node_holds_after_a_lost_lease_stops_with_exit_
         etcd.delete(key)
     finally:
         node.stop()
+
+
+def test_two_nodes_on_one_cache_dir_are_refused_even_with_their_own_ssd_paths(
+        tmp_path: Path, etcd_endpoint: str, cluster_name: str) -> None:
+    """The identity lives in the cache_dir: a second node there (its SSD elsewhere, so the SSD
+    lock does not stop it) would pass for the first's earlier run; it is refused (exit 2)."""
+    cluster = {"etcd": [etcd_endpoint], "name": cluster_name, "lease_ttl_s": 2.0}
+    shared = str(tmp_path / "shared")
+    with NodeProcess(tmp_path / "first", cluster=cluster, cache_dir=shared,
+                     ssd={"path": str(tmp_path / "ssd1")}, server={"node_id": "node-s"}):
+        before = record(etcd_endpoint, cluster_name, "node-s")
+        second = NodeProcess(tmp_path / "second", cluster=cluster, cache_dir=shared,
+                             ssd={"path": str(tmp_path / "ssd2")}, server={"node_id": "node-s"})
+        with pytest.raises(RuntimeError, match=r"exited \(2\)"):
+            second.start()
+        lines = second.log.read_text().splitlines()
+        assert len(lines) == 1 and "node-identity.lock is held by another running node" \
+            in lines[0], lines
+        assert record(etcd_endpoint, cluster_name, "node-s") == before

@@ -87,6 +87,7 @@ class StorageNode:
             raise
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
         self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
+        self._identity_lock: Any = None  # held while registered: one process per identity
         self.exit_status = 0  # 2 once another node took this node id (registration lost)
         self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
                                                    self._metrics_state, self.traffic.latency))
@@ -227,11 +228,11 @@ class StorageNode:
             return None
         from kvpool.cluster.etcd import EtcdError
         from kvpool.cluster.etcd_membership import EtcdMembership
-        from kvpool.cluster.identity import cache_dir_identity, new_incarnation
+        from kvpool.cluster.identity import hold_identity, new_incarnation
         from kvpool.cluster.membership import NodeInfo
         from kvpool.cluster.registration import NodeIdTakenError, NodeRegistration
         try:
-            identity = cache_dir_identity(self.config.cache_dir)
+            identity, self._identity_lock = hold_identity(self.config.cache_dir)
         except (OSError, ValueError) as exc:
             raise NodeStartError(f"cache_dir={self.config.cache_dir}: cannot keep the node "
                                  f"identity: {exc}") from None
@@ -291,6 +292,8 @@ class StorageNode:
             self.metrics_server.close()
         if self._drain_watch is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._drain_watch.close)
+        if self._identity_lock is not None:
+            self._identity_lock.release()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
         self.traffic.shutdown()
