@@ -11,8 +11,10 @@ it again (keys are content addresses).
 At start the node warns (one WARNING line, event ``memory_reserve``) when dram.capacity plus
 its overhead exceed 80% of the memory available (``kvpool.hostmem``). Start-up failures a
 user can fix (tier geometry the media cannot hold, an etcd that cannot be reached to
-register) raise NodeStartError with one line naming the setting; ``kvpool serve`` prints it
-and exits 2. A node never dies of a failed accept (see ``accept.py``).
+register, a server.node_id another node holds: kvpool.cluster.registration) raise
+NodeStartError with one line naming the setting; ``kvpool serve`` prints it and exits 2. A
+node that loses its node id to another node later (its lease lost meanwhile) stops, exit 2.
+A node never dies of a failed accept (see ``accept.py``).
 """
 
 from __future__ import annotations
