@@ -13,9 +13,9 @@ import pytest
 from kvtest import byte_namespace, payload_for, wait_for
 from node_process import NodeProcess
 
+from kvpool.cluster import membership, registration
 from kvpool.cluster.etcd import EtcdClient
-from kvpool.cluster.membership import NodeInfo, expected_key, registration_key
-from kvpool.cluster.registration import NodeIdTakenError, NodeRegistration
+from kvpool.cluster.membership import NodeInfo, registration_key
 from kvpool.config import ClusterConfig
 from kvpool.net.client import ClusterClient
 
@@ -38,8 +38,8 @@ def test_a_duplicate_node_id_is_refused_and_the_original_keeps_its_key(
         dup = NodeProcess(tmp_path / "dup", cluster=cluster, server={"node_id": "node-1"})
         with pytest.raises(RuntimeError, match=r"exited \(2\)"):
             dup.start()
-        lines = [ln for ln in dup.log.read_text().splitlines() if ln.startswith("kvpool serve")]
-        assert len(lines) == 1, lines
+        lines = dup.log.read_text().splitlines()  # its stderr: the one line, nothing else
+        assert len(lines) == 1 and lines[0].startswith("kvpool serve: "), lines
         assert "node id node-1 is taken by the node at " + first.address in lines[0]
         assert "Traceback" not in dup.log.read_text()
         # The original's record was not touched, and it stays registered (its lease is kept).
@@ -73,12 +73,12 @@ def test_a_node_killed_before_its_ttl_restarts_on_its_cache_dir_and_clients_see_
         assert client.get_many_into(NS, keys, outs) == [False] * 8  # a miss, marked down
         assert client.live_nodes() == []
         node.start()  # within the TTL: the old key is still there
+        wait_for(lambda: client.live_nodes() == ["node-r"], 10,
+                 "the client to take the new incarnation (not wait out retry_down_s)")
         second = record(etcd_endpoint, cluster_name, "node-r")
         assert second is not None
         assert second[0].identity == first[0].identity
         assert second[0].incarnation != first[0].incarnation
-        wait_for(lambda: client.live_nodes() == ["node-r"], 10,
-                 "the client to take the new incarnation (not wait out retry_down_s)")
         assert client.get_many_into(NS, keys, outs) == [True] * 8
         assert all(np.array_equal(o, payload_for(k, CHUNK)) for k, o in zip(keys, outs,
                                                                              strict=True))
@@ -94,18 +94,19 @@ def test_registration_never_overwrites_or_deletes_another_identitys_key(
     called); a node whose key was replaced under it leaves that key alone when it stops."""
     etcd = EtcdClient([etcd_endpoint])
     key = registration_key(cluster_name, "node-x")
-    taken: list[NodeIdTakenError] = []
-    a = NodeRegistration([etcd_endpoint], cluster_name,
+    taken: list[registration.NodeIdTakenError] = []
+    a = registration.NodeRegistration([etcd_endpoint], cluster_name,
                          NodeInfo("node-x", "127.0.0.1", 7101, identity="a" * 32), ttl_s=1.5,
                          on_taken=taken.append).start()
-    b = NodeRegistration([etcd_endpoint], cluster_name,
+    b = registration.NodeRegistration([etcd_endpoint], cluster_name,
                          NodeInfo("node-x", "127.0.0.1", 7102, identity="b" * 32), ttl_s=30)
-    with pytest.raises(NodeIdTakenError, match=r"taken by the node at 127\.0\.0\.1:7101"):
+    with pytest.raises(registration.NodeIdTakenError,
+                       match=r"taken by the node at 127\.0\.0\.1:7101"):
         b.start()
     b.close()
     kv = etcd.get(key)
     assert kv is not None and NodeInfo.from_json(kv.value).port == 7101
-    assert etcd.get(expected_key(cluster_name, "node-x")) is not None
+    assert etcd.get(membership.expected_key(cluster_name, "node-x")) is not None
 
     # Another identity's record replaces a's, then a's lease is lost: a must not take it back.
     other = NodeInfo("node-x", "127.0.0.1", 7104, incarnation="1", identity="c" * 32)
@@ -119,7 +120,7 @@ def test_registration_never_overwrites_or_deletes_another_identitys_key(
 
     # A registered node whose key was replaced under it (lease kept) stops without deleting.
     etcd.delete(key)
-    d = NodeRegistration([etcd_endpoint], cluster_name,
+    d = registration.NodeRegistration([etcd_endpoint], cluster_name,
                          NodeInfo("node-x", "127.0.0.1", 7105, identity="d" * 32)).start()
     etcd.put(key, other.to_json())
     d.close()
@@ -155,3 +156,22 @@ def test_a_node_whose_key_another_node_holds_after_a_lost_lease_stops_with_exit_
         etcd.delete(key)
     finally:
         node.stop()
+
+
+def test_two_nodes_on_one_cache_dir_are_refused_even_with_their_own_ssd_paths(
+        tmp_path: Path, etcd_endpoint: str, cluster_name: str) -> None:
+    """The identity lives in the cache_dir: a second node there (its SSD elsewhere, so the SSD
+    lock does not stop it) would pass for the first's earlier run; it is refused (exit 2)."""
+    cluster = {"etcd": [etcd_endpoint], "name": cluster_name, "lease_ttl_s": 2.0}
+    shared = str(tmp_path / "shared")
+    with NodeProcess(tmp_path / "first", cluster=cluster, cache_dir=shared,
+                     ssd={"path": str(tmp_path / "ssd1")}, server={"node_id": "node-s"}):
+        before = record(etcd_endpoint, cluster_name, "node-s")
+        second = NodeProcess(tmp_path / "second", cluster=cluster, cache_dir=shared,
+                             ssd={"path": str(tmp_path / "ssd2")}, server={"node_id": "node-s"})
+        with pytest.raises(RuntimeError, match=r"exited \(2\)"):
+            second.start()
+        lines = second.log.read_text().splitlines()
+        assert len(lines) == 1 and "node-identity.lock is held by another running node" \
+            in lines[0], lines
+        assert record(etcd_endpoint, cluster_name, "node-s") == before

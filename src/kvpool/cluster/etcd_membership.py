@@ -174,15 +174,16 @@ class EtcdMembership:
     def _resync(self, notify: bool) -> int:
         """Replace the node set with a fresh range read; the read's revision."""
         kvs, revision = self._client.get_prefix(self._root)
-        nodes = {kv.key: node for kv in kvs if kv.key.startswith(self._prefix)
-                 and (node := _node_from_kv(self._prefix, kv)) and not node.stopping}
+        records = {kv.key: node for kv in kvs if kv.key.startswith(self._prefix)
+                   and (node := _node_from_kv(self._prefix, kv))}
+        nodes = {key: node for key, node in records.items() if not node.stopping}
         drained = frozenset(self._drained_id(kv.key) for kv in kvs
                             if kv.key.startswith(self._drained_prefix))
         expected = frozenset(kv.key[len(self._expected_prefix):].decode("utf-8", "replace")
                              for kv in kvs if kv.key.startswith(self._expected_prefix))
         with self._lock:
             for key, node in self._nodes.items():
-                if key not in nodes:
+                if key not in records:  # gone; one marked stopping left cleanly
                     self._vanished(key, node)
             for key in nodes:
                 self._ghosts.pop(key, None)

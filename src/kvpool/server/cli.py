@@ -31,7 +31,8 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any],
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """``kvpool serve``. Exit 2 with one line on stderr for a setting that must change (bad
-    config, tier geometry the media cannot hold, unreachable etcd); 1 for an OS failure at
+    config, tier geometry the media cannot hold, unreachable etcd, a node id another node
+    holds), and 2 when another node took the node id while running; 1 for an OS failure at
     start (e.g. the port is taken); 0 after a clean stop (SIGTERM, SIGINT, also during
     start-up). SIGHUP reloads the config (node.py)."""
     server = {k: v for k, v in (("host", args.host), ("port", args.port),

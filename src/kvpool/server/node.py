@@ -22,8 +22,10 @@ it again (keys are content addresses). The metrics port also answers ``/healthz`
 At start the node warns (one WARNING line, event ``memory_reserve``) when dram.capacity plus
 its overhead exceed 80% of the memory available (``kvpool.hostmem``). Start-up failures a
 user can fix (tier geometry the media cannot hold, an etcd that cannot be reached to
-register) raise NodeStartError with one line naming the setting; ``kvpool serve`` prints it
-and exits 2. A node never dies of a failed accept (see ``accept.py``).
+register, a server.node_id another node holds: kvpool.cluster.registration) raise
+NodeStartError with one line naming the setting; ``kvpool serve`` prints it and exits 2. A
+node that loses its node id to another node later (its lease lost meanwhile) stops, exit 2.
+A node never dies of a failed accept (see ``accept.py``).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class StorageNode:
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
         self._tls_threads: ThreadPoolExecutor | None = None  # server.tls's connections
         self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
+        self._identity_lock: Any = None  # held while registered: one process per identity
         self.exit_status = 0  # 2 once another node took this node id (registration lost)
         self.pool.metrics.register(ServerCollector(self.store.counters.snapshot,
                                                    self._metrics_state, self.traffic.latency))
@@ -391,23 +394,27 @@ class StorageNode:
             return None
         from kvpool.cluster.etcd import EtcdError
         from kvpool.cluster.etcd_membership import EtcdMembership
-        from kvpool.cluster.identity import cache_dir_identity, new_incarnation
+        from kvpool.cluster.identity import hold_identity, new_incarnation
         from kvpool.cluster.registration import NodeIdTakenError, NodeRegistration
         try:
-            identity = cache_dir_identity(self.config.cache_dir)
+            identity, self._identity_lock = hold_identity(self.config.cache_dir)
         except (OSError, ValueError) as exc:
             raise NodeStartError(f"cache_dir={self.config.cache_dir}: cannot keep the node "
                                  f"identity: {exc}") from None
         try:
-            watch = EtcdMembership(cluster.etcd, cluster.name, grace_s=cluster.grace_s)
-            self._drain_watch = watch
-            self.store.drain_flag = lambda: self.node_id in watch.drained_nodes()
             metrics_port = self.metrics_server.port if self.metrics_server else None
             reg = NodeRegistration(cluster.etcd, cluster.name,
                                    NodeInfo(self.node_id, self.host, self.port, metrics_port,
                                             incarnation=new_incarnation(), identity=identity),
                                    cluster.lease_ttl_s, on_taken=self._node_id_taken)
-            reg.start()
+            reg.start()  # first: a node id that is taken is refused before anything is logged
+            try:
+                watch = EtcdMembership(cluster.etcd, cluster.name, grace_s=cluster.grace_s)
+            except BaseException:
+                reg.close()
+                raise
+            self._drain_watch = watch
+            self.store.drain_flag = lambda: self.node_id in watch.drained_nodes()
         except NodeIdTakenError as exc:
             raise NodeStartError(str(exc)) from None
         except (EtcdError, ValueError) as exc:
@@ -484,6 +491,8 @@ class StorageNode:
             self.metrics_server.close()
         if self._drain_watch is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._drain_watch.close)
+        if self._identity_lock is not None:
+            self._identity_lock.release()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
         self.executor.shutdown(wait=True)
         self.traffic.shutdown()
