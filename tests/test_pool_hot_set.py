@@ -21,7 +21,6 @@ from kvpool import KVPool
 from kvpool.config import Config
 from kvpool.keys import Namespace
 from kvpool.ssd.engine import SsdEngine
-from kvpool.ssd.recency import ReadMarks
 
 C = 16 * 1024
 NS = byte_namespace(C)
@@ -236,6 +235,8 @@ def test_a_touch_that_finds_the_engine_busy_is_queued_not_skipped(tmp_path: Path
 
 
 def test_read_marks_are_deduplicated_and_bounded() -> None:
+    from kvpool.ssd.recency import ReadMarks  # here: the other tests also run against main
+
     marks = ReadMarks(batch=4, limit=6)
     assert not marks.add([b"a" * 16, b"b" * 16, b"a" * 16])
     assert marks.add([b"c" * 16])  # 4 queued: a batch is due
