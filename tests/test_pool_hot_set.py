@@ -232,3 +232,16 @@ def test_a_touch_that_finds_the_engine_busy_is_queued_not_skipped(tmp_path: Path
         assert engine.get_into(first[0], out) and np.array_equal(out, payload_for(first[0], C))
     finally:
         engine.close()
+
+
+def test_read_marks_are_deduplicated_and_bounded() -> None:
+    from kvpool.ssd.recency import ReadMarks  # here: the other tests also run against main
+
+    marks = ReadMarks(batch=4, limit=6)
+    assert not marks.add([b"a" * 16, b"b" * 16, b"a" * 16])
+    assert marks.add([b"c" * 16])  # 4 queued: a batch is due
+    assert marks.take(3) == [b"a" * 16, b"b" * 16]  # the first 3, deduplicated
+    assert len(marks) == 1
+    marks.add([bytes([i]) * 16 for i in range(8)])  # 9 > 6: the 3 oldest dropped
+    assert len(marks) == 6 and marks.dropped == 3
+    assert marks.take() == [bytes([i]) * 16 for i in range(2, 8)] and len(marks) == 0

@@ -483,8 +483,8 @@ class KVPool:
         hit and the SSD index marks them hot (copied forward when their segment is evicted).
         A storage node does this for its replica copies that another replica served, on its
         event loop: no tier waits (while another thread holds the SSD index's lock the mark
-        is queued for it, counted as ssd touch_deferred). Returns how many keys a tier touched; keys
-        held nowhere are ignored. Same checks as lookup."""
+        is queued for it, counted as ssd touch_deferred). Returns how many keys a tier
+        touched; keys held nowhere are ignored. Same checks as lookup."""
         self._registered(ns, keys)
         touched = [False] * len(keys)
         for tier in self._tiers:

@@ -66,8 +66,9 @@ def _specs() -> list[MetricSpec]:
                    "dropped with their SSD segment because they exceeded "
                    "ssd.copy_forward_fraction."),
         MetricSpec("kvpool_ssd_written_back_total", "counter",
-                   "DRAM victims written back to the SSD because their SSD record had been "
-                   "evicted while DRAM served them."),
+                   "DRAM chunks written back to the SSD because their SSD record was evicted "
+                   "while DRAM held them: DRAM victims, and hot records the copy-forward cap "
+                   "dropped."),
         MetricSpec("kvpool_ssd_write_amplification", "gauge",
                    "Record bytes written to the SSD log (headers, padding, copy-forward) / "
                    "payload bytes put; 0 before the first put."),

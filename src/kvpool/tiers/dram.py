@@ -346,13 +346,6 @@ class DramTier:
             if entry is not None:
                 entry.on_lower = True
 
-    def held_only_here(self) -> list[tuple[bytes, Namespace]]:
-        """The chunks no lower tier is known to hold (never demoted, staged or written
-        through), oldest put first: what a close in ``ssd_write: evict`` mode would lose."""
-        with self._lock:
-            self._check_open()
-            return [(k, e.ns) for k, e in self._entries.items() if not e.on_lower]
-
     def residents(self) -> list[tuple[bytes, Namespace, bool]]:
         """Every resident chunk as (key, namespace, on_lower), oldest put first; on_lower:
         a lower tier was known to hold it when it came in (it may have evicted it since)."""
