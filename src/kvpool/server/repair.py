@@ -235,7 +235,11 @@ class NodeRepair:
             if draining and self._status is not None:
                 self._status.report("copying", copied=drain_copied, failed=drain_failed,
                                     chunks=len(self.catalog))
-            outcome = self._pass(done if view != done else None, view)
+            try:
+                outcome = self._pass(done if view != done else None, view)
+            except Exception:  # a bug or a closing pool: logged, the pass tried again later
+                log.exception("repair pass failed")
+                outcome = Outcome(failed=1)
             self.counters.add("passes")
             if self._stop.is_set():
                 return
@@ -273,7 +277,10 @@ class NodeRepair:
         hot: list[tuple[Namespace, list[Entry]]] = []
         cold: list[tuple[Namespace, list[Entry]]] = []
         for ns, entries in self._held_by_namespace():
-            resident = self.pool.resident_many(ns, [e[0] for e in entries])
+            try:
+                resident = self.pool.resident_many(ns, [e[0] for e in entries])
+            except Exception:  # the namespace was just forgotten by the registry
+                resident = [False] * len(entries)
             hot.append((ns, [e for e, r in zip(entries, resident, strict=True) if r]))
             cold.append((ns, [e for e, r in zip(entries, resident, strict=True) if not r]))
         for ns, entries in (*hot, *cold):
