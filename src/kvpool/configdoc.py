@@ -125,6 +125,8 @@ LOG_EVENTS_SECTION = [
     "`server.max_connections`; rate-limited |",
     "| `fd_limit`, `accept_failed`, `accept_recovered` | info, warning | kvpool.serve | "
     "`soft`, `hard`; `errno`, `held_back`; `failures` |",
+    "| `start_failed` | error | kvpool.serve | a setting to fix (exit 2) or an OS failure "
+    "(exit 1): one line, in the log format (text: the bare `kvpool serve: ...` line) |",
     "| `metrics_listening` | info | kvpool.metrics.http | `port` |",
     "| `ssd_recovered` | info | kvpool.ssd | `records`, `segments`: the SSD log "
     "read at open |",

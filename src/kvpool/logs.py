@@ -110,6 +110,18 @@ def configure_logging(cfg: LogConfig, stream: IO[str] | None = None,
     return handler
 
 
+def say(cfg: LogConfig, level: int, message: str, event: str, stream: IO[str] | None = None,
+        **fields: Any) -> None:
+    """Write one record to ``stream`` (stderr) as ``cfg.format`` says, without the logging
+    tree: a JSON object, or with text the bare message (``kvpool serve: cannot start: ...``).
+    For a command's last words (a start that failed), which must follow the log format
+    whether or not logging is configured yet. Never raises for a valid LogConfig."""
+    record = logging.LogRecord("kvpool.serve", level, "", 0, message, None, None)
+    record.__dict__.update(fields, event=event)
+    formatter = JsonFormatter() if cfg.format == "json" else logging.Formatter("%(message)s")
+    print(formatter.format(record), file=sys.stderr if stream is None else stream, flush=True)
+
+
 class RateLimited:
     """At most one message per ``interval_s``; counts the ones held back. Thread-safe."""
 

@@ -9,6 +9,8 @@ import json
 import shutil
 import signal
 import subprocess
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +87,37 @@ def test_registration_lines_have_events_in_json(tmp_path: Path, etcd_server: Etc
                  HANG_S, "registered again")
     for line in node.log.read_text().splitlines():
         assert json.loads(line)["event"], line
+
+
+def test_readyz_is_503_until_the_node_is_registered(tmp_path: Path, etcd_server: EtcdServer,
+                                                    cluster_name: str) -> None:
+    """etcd stopped (SIGSTOP) while the node starts: its metrics port already answers,
+    /readyz 503 "starting" until registration fails (exit 2, one line)."""
+    port = int(dead_address().rpartition(":")[2])
+    node = NodeProcess(tmp_path / "node", cluster={"etcd": [etcd_server.endpoint],
+                                                   "name": cluster_name},
+                       server={"metrics_port": port})
+    assert etcd_server.proc is not None
+    answers: list[tuple[int, str]] = []
+
+    def poll() -> None:  # on a thread: start() blocks until the node exits
+        deadline = time.monotonic() + HANG_S
+        while time.monotonic() < deadline and not answers:
+            with contextlib.suppress(OSError):
+                answers.append(http(port, "/readyz"))
+            time.sleep(0.02)
+
+    etcd_server.proc.send_signal(signal.SIGSTOP)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"exited \(2\)"):
+            node.start()
+    finally:
+        poller.join()
+        node.stop()
+        etcd_server.proc.send_signal(signal.SIGCONT)
+    assert answers and answers[0] == (503, "not ready: starting\n")
 
 
 def test_readyz_is_503_while_the_node_is_drained(

@@ -235,3 +235,25 @@ def test_metrics_port_pages(tmp_path: Path) -> None:
         assert value(samples, "kvpool_build_info", version=VERSION) == 1
         assert value(samples, "process_resident_memory_bytes") > 0
         assert value(samples, "process_open_fds") > 0
+
+
+def test_sighup_rotates_tokens_for_new_connections(tmp_path: Path) -> None:
+    old = [{"token": "token-old-1234", "tenants": ["acme"]}]
+    new = [{"token": "token-new-5678", "tenants": ["acme"]}]
+    with NodeProcess(tmp_path, server={"auth": old}) as node:
+        before = NodeConnection(node.address, token="token-old-1234")
+        before.ping()
+        config = yaml.safe_load((tmp_path / "node.yaml").read_text())
+        config["server"]["auth"] = new
+        (tmp_path / "node.yaml").write_text(yaml.safe_dump(config))
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "config reloaded" in node.log.read_text(), HANG_S, "the reload")
+        assert "applied server.auth;" in node.log.read_text()
+        with pytest.raises(RemoteError, match="AUTH_FAILED"):
+            NodeConnection(node.address, token="token-old-1234")
+        after = NodeConnection(node.address, token="token-new-5678")
+        after.ping()
+        before.ping()  # an open connection keeps the identity it authenticated with
+        for conn in (before, after):
+            conn.close()

@@ -4,6 +4,7 @@ gets the same ConfigError."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -83,3 +84,12 @@ def test_admin_token_without_auth_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"server\.admin_token: must differ"):
         config_from_dict({"server": {"admin_token": "same-token-1",
                                      "auth": [{"token": "same-token-1", "tenants": ["a"]}]}})
+
+
+def test_a_failed_start_is_one_json_line_with_json_logs(tmp_path: Path) -> None:
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    out = serve(tmp_path, cluster={"etcd": [endpoint]}, log={"format": "json"})
+    assert out.returncode == 2, out.stderr
+    docs = [json.loads(line) for line in out.stderr.strip().splitlines()]
+    assert [d["event"] for d in docs if d["level"] == "error"] == ["start_failed"]
+    assert "cannot register" in docs[-1]["message"]

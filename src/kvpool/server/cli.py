@@ -4,11 +4,13 @@ kvpool/admin/)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
 from kvpool.config import Config, load_config
 from kvpool.errors import ConfigError
+from kvpool.logs import say
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +53,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
     try:
         return run(cfg, reload_config)
     except NodeStartError as exc:
-        print(f"kvpool serve: {exc}", file=sys.stderr)
+        say(cfg.log, logging.ERROR, f"kvpool serve: {exc}", "start_failed")
         return 2
     except OSError as exc:
-        print(f"kvpool serve: cannot start: {exc}", file=sys.stderr)
+        say(cfg.log, logging.ERROR, f"kvpool serve: cannot start: {exc}", "start_failed")
         return 1

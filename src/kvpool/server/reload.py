@@ -7,8 +7,8 @@ registered for it (e.g. re-configure logging, rebuild the token table). A change
 that is not registered keeps its running value and is reported as needing a restart.
 
 Policy (which keys are live) is the node's (node.py registers them); this module is the
-mechanism. It never raises for a valid new Config: a hook that fails is logged and its key
-reported as not applied.
+mechanism. It never raises for a valid new Config: a hook that fails is logged, its key gets
+its running value back and is reported as needing a restart.
 """
 
 from __future__ import annotations
@@ -80,27 +80,40 @@ class LiveSettings:
         result = ReloadResult()
         old_values, new_values = flatten(running), flatten(new)
         changed = [k for k in new_values if old_values.get(k) != new_values[k]]
-        touched: list[tuple[str, Any]] = []
+        touched: list[tuple[str, Any, Any]] = []  # key, new value, running value
         for key in changed:
             guard = self._guards.get(key)
             if not self.is_live(key) or "." not in key or \
                     (guard is not None and not guard(old_values.get(key), new_values[key])):
                 result.restart_needed.append(key)
                 continue
-            section_name, name = key.split(".", 1)
-            value = getattr(getattr(new, section_name), name)
-            # The new Config was validated as a whole; assigning field by field through
-            # pydantic would re-run cross-field rules on half-updated sections.
-            object.__setattr__(getattr(running, section_name), name, value)
-            touched.append((key, value))
-        for key, value in touched:
+            value = _get(new, key)
+            touched.append((key, value, _set(running, key, value)))
+        for key, value, before in touched:
             try:
                 for hook in self._hooks[key]:
                     hook(value)
             except Exception as exc:  # never let a reload take the node down
-                log.warning("config reload: applying %s failed: %s", key, exc,
-                            extra={"event": "config_reload_failed", "key": key})
+                log.warning("config reload: applying %s failed, keeping its running value: %s",
+                            key, exc, extra={"event": "config_reload_failed", "key": key})
+                _set(running, key, before)
                 result.restart_needed.append(key)
                 continue
             result.applied.append(key)
         return result
+
+
+def _get(config: Config, key: str) -> Any:
+    section, name = key.split(".", 1)
+    return getattr(getattr(config, section), name)
+
+
+def _set(config: Config, key: str, value: Any) -> Any:
+    """Write ``value`` at ``key`` in place; returns the value it replaced. The new Config was
+    validated as a whole: assigning field by field through pydantic would re-run cross-field
+    rules on half-updated sections."""
+    section, name = key.split(".", 1)
+    target = getattr(config, section)
+    before = getattr(target, name)
+    object.__setattr__(target, name, value)
+    return before
