@@ -76,7 +76,6 @@ LIVE_SERVER_LIMITS = ("max_connections", "max_refusing", "idle_timeout_s", "auth
                       "max_namespaces_per_connection", "offload_bytes", "inline_exists_keys",
                       "shutdown_timeout_s")
 #: Read at use by whoever owns them; live without a hook.
-LIVE_OTHER = ("cluster.repair_bytes_per_s",)
 
 
 class NodeStartError(KVPoolError):
@@ -239,8 +238,14 @@ class StorageNode:
         live.register("log.format", relog)
         for name in LIVE_SERVER_LIMITS:
             live.register(f"server.{name}")
-        for key in LIVE_OTHER:
-            live.register(key)
+
+        def repair_rate(rate: object) -> None:
+            if self._repair is not None:
+                self._repair.set_rate(int(rate))  # type: ignore[call-overload]
+
+        # The rate changes live; turning repair on or off (0) needs a restart.
+        live.register("cluster.repair_bytes_per_s", repair_rate,
+                      guard=lambda old, new: bool(old) == bool(new))
 
         def new_tokens(_: object) -> None:
             srv = self.config.server

@@ -178,6 +178,14 @@ class NodeRepair:
         self._thread = threading.Thread(target=self._run, name="kvpool-repair", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
+    def set_rate(self, bytes_per_s: int) -> None:
+        """A new ``cluster.repair_bytes_per_s`` (SIGHUP), from the next copy on. Raises
+        ValueError for a rate that is not positive (0 turns repair off: that needs a
+        restart)."""
+        if bytes_per_s <= 0:
+            raise ValueError("cluster.repair_bytes_per_s must stay > 0 while repair runs")
+        self._bucket.rate = int(bytes_per_s)
+
     def start(self) -> NodeRepair:
         self._thread.start()
         return self
