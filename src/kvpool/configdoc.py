@@ -121,6 +121,10 @@ LOG_EVENTS_SECTION = [
     "the file did not load (settings kept); SIGHUP before the node listened |",
     "| `protocol_error` | info | kvpool.serve | `peer`, `held_back`: a connection closed "
     "for bytes that are not a frame; rate-limited like checksum_failure |",
+    "| `tls_handshake_failed` | info | kvpool.serve | `peer`, `held_back`: a TLS "
+    "handshake failed (a plain client, an unknown CA); rate-limited like protocol_error |",
+    "| `internal_error` | error | kvpool.serve | `peer`: a connection closed after an "
+    "unexpected error in the node (a bug; with its traceback) |",
     "| `connections_refused` | warning | kvpool.serve | `held_back`: over "
     "`server.max_connections`; rate-limited |",
     "| `fd_limit`, `accept_failed`, `accept_recovered` | info, warning | kvpool.serve | "

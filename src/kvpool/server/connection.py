@@ -207,7 +207,16 @@ class Connection:
                     self.count("lanes_started")
                     await Lane(self).run()  # serves the rest of the connection's requests
                     return
-        except ProtocolError as exc:
+        except Exception as exc:  # never let one connection take the node down
+            self.ended_by(exc)
+        finally:
+            self.store.close_session(self.session)
+
+    def ended_by(self, exc: Exception) -> None:
+        """Count (and log, rate-limited where a peer could flood the log) what ended the
+        connection: a malformed frame, the peer leaving or being cut off, or a bug here.
+        Never raises."""
+        if isinstance(exc, ProtocolError):
             self.count("protocol_errors")
             held = _say_protocol_error.due()
             if held is not None:  # garbage from anyone: a flood must not flood the log
@@ -215,14 +224,13 @@ class Connection:
                          f" ({held} more since the last report)" if held else "",
                          extra={"event": "protocol_error", "peer": self.peer,
                                 "held_back": held})
-        except (ConnectionError, OSError):
+        elif isinstance(exc, (ConnectionError, OSError)):
             if self.cut_off is not None:
                 self.count(self.cut_off)
-        except Exception:  # never let one connection take the node down
+        else:
             self.count("internal_errors")
-            log.exception("closing %s after an unexpected error", self.peer)
-        finally:
-            self.store.close_session(self.session)
+            log.error("closing %s after an unexpected error", self.peer, exc_info=exc,
+                      extra={"event": "internal_error", "peer": self.peer})
 
     async def handle(self, req: Header) -> bool:
         """Serve one request; False when the connection must close afterwards."""

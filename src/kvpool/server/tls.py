@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.logs import RateLimited
-from kvpool.net.protocol import HEADER_BYTES, ProtocolError, Status, answer_frame, unpack_header
+from kvpool.net.protocol import HEADER_BYTES, Status, answer_frame, unpack_header
 from kvpool.net.tls import TlsHandshakeError
 from kvpool.server.connection import Connection
 from kvpool.server.lane import Lane
@@ -85,16 +85,11 @@ class TlsConnection(Connection):
             held = _say_failed.due()
             if held is not None:
                 log.info("closing %s: %s%s", self.peer, exc,
-                         f" ({held} more since the last report)" if held else "")
-        except ProtocolError as exc:
-            self.count("protocol_errors")
-            log.info("closing %s: %s", self.peer, exc)
-        except (ConnectionError, OSError):
-            if self.cut_off is not None:
-                self.count(self.cut_off)
-        except Exception:  # never let one connection take the node down
-            self.count("internal_errors")
-            log.exception("closing %s after an unexpected error", self.peer)
+                         f" ({held} more since the last report)" if held else "",
+                         extra={"event": "tls_handshake_failed", "peer": self.peer,
+                                "held_back": held})
+        except Exception as exc:  # never let one connection take the node down
+            self.ended_by(exc)
         finally:
             self.store.close_session(self.session)
 
