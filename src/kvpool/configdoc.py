@@ -121,6 +121,8 @@ LOG_EVENTS_SECTION = [
     "the file did not load (settings kept); SIGHUP before the node listened |",
     "| `protocol_error` | info | kvpool.serve | `peer`, `held_back`: a connection closed "
     "for bytes that are not a frame; rate-limited like checksum_failure |",
+    "| `read_repair_failed` | warning | kvpool.cluster | `node`: a read repair or hinted "
+    "write raised in the client (a bug, not a node away; not retried) |",
     "| `connections_refused` | warning | kvpool.serve | `held_back`: over "
     "`server.max_connections`; rate-limited |",
     "| `fd_limit`, `accept_failed`, `accept_recovered` | info, warning | kvpool.serve | "

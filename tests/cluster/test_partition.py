@@ -192,10 +192,6 @@ def test_client_cut_from_one_node_reads_the_other_replica_and_repairs_after(
     assert client.call("read", keys=old) == {"hits": 60, "wrong": 0}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: a replica that missed writes while only the client was cut from it gets "
-    "back only the chunks it is the first replica of (read repair); reads stop at the first "
-    "replica, so none asks the second, and no membership change starts re-replication"))
 def test_client_cut_from_one_node_gets_its_second_copies_back(
         cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(replicas=2, client={"request_timeout_s": 1.0,
