@@ -29,8 +29,9 @@ NEEDS_BY_FIXTURE = {
     "vllm_python": "vllm",  # behind start_engine, run_engine, baseline
     "sglang_python": "sglang",  # behind run_check (tests/sglang/conftest.py)
     "smollm2_cache": "model",  # converts the real SmolLM2 GGUF
+    "netlab": "netns",  # root and iproute2 (tests/cluster/test_partition.py)
 }
-EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus")
+EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus", "netns")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these marks

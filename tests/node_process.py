@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,15 @@ def node_config(base: Path, **sections: Any) -> dict[str, Any]:
 class NodeProcess:
     """One storage node. ``start()`` waits for its listening line; the port is kept across
     restarts (the first start picks a free one). ``fd_limit``: run it with soft = hard
-    RLIMIT_NOFILE of that many descriptors (so the node cannot raise it)."""
+    RLIMIT_NOFILE of that many descriptors (so the node cannot raise it). ``command_prefix``:
+    run ``kvpool serve`` through it (``ip netns exec <ns>``: tests/cluster/netns.py)."""
 
-    def __init__(self, base: Path, *, fd_limit: int | None = None, **sections: Any) -> None:
+    def __init__(self, base: Path, *, fd_limit: int | None = None,
+                 command_prefix: Sequence[str] = (), **sections: Any) -> None:
         base.mkdir(parents=True, exist_ok=True)
         self.base = base
         self.fd_limit = fd_limit
+        self.command_prefix = list(command_prefix)
         self.config = node_config(base, **sections)
         self.port: int = int(self.config["server"].get("port", 0))
         self.proc: subprocess.Popen[str] | None = None
@@ -54,7 +58,7 @@ class NodeProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.config['server']['host']}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> NodeProcess:
         self.config["server"]["port"] = self.port
@@ -69,7 +73,8 @@ class NodeProcess:
 
         with open(self.log, "a") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.cli", "serve", "--config", str(path)],
+                [*self.command_prefix, sys.executable, "-m", "kvpool.cli", "serve", "--config",
+                 str(path)],
                 stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                 preexec_fn=limit_fds if limit is not None else None)
         deadline = time.monotonic() + timeout_s

@@ -320,6 +320,7 @@ class ClusterConfig(_Section):
     touch_max_keys: int = Field(65536, ge=1, description="Touch keys queued per node; beyond it touches are dropped (counted as touch_dropped).")
     touch_batch_keys: int = Field(4096, ge=1, description="Keys per TOUCH request; keep it under the nodes' server.max_keys.")
     read_repair_bytes: Size = Field(64 << 20, description="Client read repair: bytes of chunks queued to be written back to a replica a read found without them (sent by a background thread); full = the repair is dropped (counted as read_repair_dropped). 0 turns read repair off.")
+    repair_max_age_s: float = Field(120.0, gt=0, description="A read repair or hinted write (a replica that missed a PUT because it failed or was marked down, written once it answers again) not sent within this long is dropped (counted as read_repair_failures), so a node gone for good does not hold the queue.")
     repair_bytes_per_s: Size = Field(64 << 20, description="Node re-replication and drain copying (docs/cluster.md): chunk bytes per second a node sends to its peers (token bucket). 0 turns node-side repair off.")
     repair_delay_s: float = Field(3.0, ge=0, description="A node starts re-replicating this long after the last membership change it saw (joins, leaves, drains): a burst of changes costs one pass.")
     tls: ClusterTlsConfig = Field(default_factory=lambda: ClusterTlsConfig(), description="TLS to the storage nodes.")

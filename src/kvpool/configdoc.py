@@ -125,6 +125,8 @@ LOG_EVENTS_SECTION = [
     "handshake failed (a plain client, an unknown CA); rate-limited like protocol_error |",
     "| `internal_error` | error | kvpool.serve | `peer`: a connection closed after an "
     "unexpected error in the node (a bug; with its traceback) |",
+    "| `read_repair_failed` | warning | kvpool.cluster | `node`: a read repair or hinted "
+    "write raised in the client (a bug, not a node away; not retried) |",
     "| `connections_refused` | warning | kvpool.serve | `held_back`: over "
     "`server.max_connections`; rate-limited |",
     "| `fd_limit`, `accept_failed`, `accept_recovered` | info, warning | kvpool.serve | "

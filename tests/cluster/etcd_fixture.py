@@ -59,6 +59,8 @@ class EtcdServer:
         self.endpoint = f"http://127.0.0.1:{self.client_port}"
         self.peer_url = f"http://127.0.0.1:{self.peer_port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Run etcd through this (``ip netns exec <ns>``: tests/cluster/netns.py); none here.
+        self.command_prefix: list[str] = []
 
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
         """Start etcd and wait until it answers /health; RuntimeError (with its log) if not."""
@@ -66,6 +68,7 @@ class EtcdServer:
             return self
         self.base_dir.mkdir(parents=True, exist_ok=True)
         args = [
+            *self.command_prefix,
             self.binary,
             "--name", self.name,
             "--data-dir", str(self.data_dir),

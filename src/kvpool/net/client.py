@@ -82,7 +82,8 @@ class ClusterClient:
         self._repairer = ReadRepairer(
             lambda node_id, ns, keys, datas: self._safe(node_id, _put_job(ns, keys, datas,
                                                                           cfg.batch_bytes)),
-            cfg.read_repair_bytes)
+            cfg.read_repair_bytes, ready=lambda node_id: node_id in self.live_nodes(),
+            max_age_s=cfg.repair_max_age_s)
 
     # ------------------------------------------------------------------ nodes
     def live_nodes(self) -> list[str]:
@@ -329,15 +330,43 @@ class ClusterClient:
                                 self.cfg.batch_bytes)
                     for n, idx in per_node.items()}
             ok = [False] * len(keys)
+            failed = set()
             for node_id, count in self._fan_out(jobs).items():
                 if count is not None:
                     for i in per_node[node_id]:
                         ok[i] = True
+                else:
+                    failed.add(node_id)
+            if self._repairer.enabled:
+                self._hint(ns, keys, datas, placement, ok, failed)
             stored += sum(ok)
             stored_bytes += sum(byte_view(d).nbytes for d, done in zip(datas, ok, strict=True)
                                 if done)
         self._counters.add_many({"put_chunks": stored, "put_bytes": stored_bytes})
         return stored
+
+    def _hint(self, ns: Namespace, keys: list[bytes], datas: list[Any],
+              placement: list[list[str]], ok: list[bool], failed: set[str]) -> None:
+        """Leave a hint (net/read_repair.py) for each replica that missed a chunk another
+        replica stored: one whose PUT failed, or one left out of the placement because it
+        is marked down (a client cut from a node that is still in the cluster), so it gets
+        the write once it answers again. Costs a dict scan when every node answered."""
+        now = time.monotonic()
+        with self._lock:
+            down = {n for n, until in self._down_until.items() if until > now}
+        if not failed and not down:
+            return
+        intended = placement
+        if down:  # the placement the chunks would have had with every live node answering
+            drained = self.membership.drained_nodes()
+            nodes = [n.node_id for n in self.membership.live_nodes() if n.node_id not in drained]
+            intended = replicas(nodes, keys, self._replicas.get(ns.id, self.cfg.replicas))
+        missed = failed | down
+        for i, owners in enumerate(intended):
+            if ok[i]:
+                for node_id in owners:
+                    if node_id in missed:
+                        self._repairer.offer(node_id, ns, keys[i], datas[i], hint=True)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Delete from every live node (replicas may have moved); returns chunks removed."""
