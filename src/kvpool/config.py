@@ -247,6 +247,9 @@ class ServerConfig(_Section):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics at http://<host>:<metrics_port>/metrics (the node's pool, its tiers and its server; 0 = any free port). Registered in etcd beside the node's address, so kvpool monitor finds it. Unset: none.")
     tls: ServerTlsConfig = Field(default_factory=lambda: ServerTlsConfig(), description="TLS for client connections.")
     inline_exists_keys: int = Field(4096, ge=0, description="An EXISTS or EXISTS_PREFIX of at most this many keys that arrives while no other request is in flight is probed on the event loop (in-memory index lookups) instead of a worker thread: the hop there and back cost more than the probe. 0 = always on a worker.")
+    max_held_bytes: Size = Field(0, ge=0, description="Node-wide: bytes held at once for requests in progress: GET answers read from below DRAM into per-request buffers (until sent) and PUT payloads being received into reserved slots (until committed). A GET that would take it past this is answered BUSY (clients count a miss); a PUT keeps the chunks that fit and drops the rest as for lack of room, and is answered BUSY when none fits (a dropped save). A key no tier holds costs no payload memory. 0 = derived: a quarter of dram.capacity, at least 256 MiB.")
+    tenant_held_share: float = Field(0.5, gt=0, le=1, description="The share of max_held_bytes one tenant (all its connections) may hold at once, and of the DRAM tier its PUTs in progress may hold reserved; past it, as past max_held_bytes. So one tenant's unread answers or stalled PUTs cannot starve the others.")
+    payload_stall_timeout_s: float = Field(5.0, gt=0, description="A PUT whose payload stops arriving (no chunk completes) for this long is closed (counted payload_stalls in STATS) and its reserved slots released; idle_timeout_s still bounds a peer silent between requests.")
 
     @model_validator(mode="before")
     @classmethod
