@@ -4,12 +4,12 @@ Held: a GET answer's per-request buffers (chunks read from below DRAM) until the
 sent, and a PUT's reserved slots until its payload is committed or given up. Pinned DRAM
 views of a GET are not held here: they cost no memory beyond the DRAM tier.
 
-Policy (``server.max_held_bytes``, ``server.tenant_held_share``): the node holds at most
-``limit`` bytes in all, one tenant at most ``tenant_limit`` of them, and one tenant's PUTs at
-most ``put_limit`` (that share of the DRAM tier: a PUT that stalls must not reserve all of
-DRAM). Nothing here waits: a take that does not fit returns nothing, and the store answers
-BUSY (or, for a PUT, drops the chunks that do not fit). Thread-safe (the event loop, lanes
-and workers take and give).
+Policy (``server.max_held_bytes``, ``server.tenant_held_share``, set by the store): the
+node holds at most ``limit`` bytes in all, one tenant at most ``tenant_limit`` of them, and
+one tenant's PUTs at most ``put_limit`` (that share of the DRAM tier: a PUT that stalls must
+not reserve all of DRAM). Nothing here waits: a take that does not fit returns nothing, and
+the store answers BUSY (or, for a PUT, drops the chunks that do not fit). Thread-safe (the
+event loop, lanes and workers take and give).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def derived_limit(configured: int, dram_capacity: int) -> int:
 
 class HeldBytes:
     """The ledger. ``put_limit`` None: a tenant's PUTs are bounded by ``tenant_limit`` only
-    (no DRAM tier)."""
+    (no DRAM tier, or auth off: then ``tenant_limit`` is ``limit``)."""
 
     def __init__(self, limit: int, tenant_limit: int, put_limit: int | None) -> None:
         self.limit, self.tenant_limit, self.put_limit = limit, tenant_limit, put_limit

@@ -179,9 +179,13 @@ class NodeStore:
         self._sessions: set[Session] = set()
         dram = pool.config.dram.capacity
         limit = derived_limit(cfg.max_held_bytes, dram)
-        share = cfg.tenant_held_share
-        #: Bytes held for GET answers and PUT receives in progress, and their limits.
-        self.held = HeldBytes(limit, int(limit * share), int(dram * share) if dram else None)
+        #: Bytes held for GET answers and PUT receives in progress, and their limits: shares
+        #: per tenant with auth on (without auth a tenant is whatever salt a client picks).
+        if self.auth.enabled:
+            share = cfg.tenant_held_share
+            self.held = HeldBytes(limit, int(limit * share), int(dram * share) if dram else None)
+        else:
+            self.held = HeldBytes(limit, limit, None)
 
     @property
     def drained(self) -> bool:
