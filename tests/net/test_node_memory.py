@@ -93,6 +93,8 @@ def test_gets_of_absent_keys_cost_the_node_no_payload_memory(node: NodeProcess) 
         assert head.count == 0 and flags == bytes(len(keys))
     _, ping_s = timed(other.ping)
     peak = vm(node, "VmHWM")
+    print(f"\nabsent-key GETs: RSS {idle / MiB:.0f} MiB at rest, peak {peak / MiB:.0f} MiB; "
+          f"PING {ping_s * 1e3:.1f} ms")
     # today's main: 128 -> 710 MiB for one such GET
     assert peak < idle + 96 * MiB, f"peak RSS {peak / MiB:.0f} MiB from {idle / MiB:.0f} MiB"
     assert ping_s < ON_TIME_S
@@ -120,6 +122,8 @@ def test_a_stalled_put_neither_starves_another_tenant_nor_keeps_its_slots(
         mine = [os.urandom(16) for _ in range(4)]
         stored, put_s = timed(other.put, beta, mine, chunks(beta, mine))
         # today's main: 1 s per chunk waiting for a slot, then stored=0
+        print(f"\nwhile a PUT stalls: another tenant's PUT stored {stored}/4 "
+              f"in {put_s * 1e3:.1f} ms")
         assert stored == 4 and put_s < ON_TIME_S, (stored, put_s)
         outs = [np.empty(beta.chunk_bytes, np.uint8) for _ in mine]
         found, get_s = timed(other.get_into, beta, mine, outs)
@@ -171,6 +175,9 @@ def test_unread_get_answers_hold_at_most_the_nodes_budget(tmp_path: Path) -> Non
         _, ping_s = timed(other.ping)
         assert ping_s < ON_TIME_S
         peak = vm(node, "VmHWM")
+        print(f"\nunread answers: RSS {idle / MiB:.0f} MiB at rest, peak {peak / MiB:.0f} MiB; "
+              f"other tenant GET {get_s * 1e3:.1f} ms, PUT {put_s * 1e3:.1f} ms, "
+              f"PING {ping_s * 1e3:.1f} ms")
         # today's main: every answer held (6 x 120 MiB)
         assert peak < 2 * idle + BUDGET, f"peak {peak / MiB:.0f} MiB, idle {idle / MiB:.0f}"
 
