@@ -10,7 +10,11 @@ by driving it directly (tests/net/test_node_store.py).
 Payloads never pass through a staging copy: a PUT reserves DRAM slots and hands their views
 to the transport to receive into (:class:`PutBatch`); a GET pins the chunks resident in DRAM
 and hands out read-only views of them to send from (:class:`GetAnswer`), the rest read from
-the lower tiers into per-request buffers.
+the lower tiers into per-request buffers: only for the keys a lower tier's in-memory index
+says it holds, so a miss costs no payload memory. Those buffers and a PUT's reserved slots
+are held in the node's ledger (held.py: server.max_held_bytes, per tenant with auth on) until
+the answer is sent or the PUT committed; past its limits a GET is refused BUSY and a PUT
+keeps the chunks that fit (BUSY when none does).
 
 Nothing here that may block runs on the caller's event loop: lookups, existence probes,
 SSD reads, deletes, invalidations, STATS and durable commits run on ``executor``. Only
