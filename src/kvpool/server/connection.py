@@ -159,6 +159,7 @@ class Connection:
             if n == 0:
                 raise ConnectionError("peer closed the connection")
             got += n
+            self.last_io = time.monotonic()  # progress: not a stalled payload
 
     def _send_blocking(self, bufs: list[memoryview]) -> None:
         while bufs:
