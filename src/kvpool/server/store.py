@@ -477,7 +477,13 @@ class NodeStore:
                   touch: Sequence[bytes] = ()) -> GetAnswer:
         """GET ``keys`` (touching ``touch`` first, as TOUCH does). Raises Refused(TOO_LARGE)
         when the answer would exceed server.max_inflight_bytes. Chunks DRAM lacks are read
-        from the lower tiers on a worker thread."""
+        from the lower tiers on a worker thread, and so is the whole of a GET of more than
+        server.inline_exists_keys keys (scoping and pinning 65,536 keys would hold the loop
+        for tens of milliseconds)."""
+        if len(keys) > self.cfg.inline_exists_keys:
+            whole: GetAnswer = await self._off_loop(self.get_blocking, session, ns_id, keys,
+                                                    touch)
+            return whole
         ns, scoped, pins = self._pin_for_get(session, ns_id, keys, touch)
         if all(p is not None for p in pins):
             return self._answer_get(ns, scoped, pins)
