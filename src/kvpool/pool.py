@@ -453,6 +453,13 @@ class KVPool:
         check_key(key)
         return self.contains_many(ns, [key])[0]
 
+    def count_misses(self, ns: Namespace, n: int) -> None:
+        """Count ``n`` reads of ``ns`` as misses, as get_many_into would have: for a reader
+        that probed ``contains_many`` first and reads only the chunks a tier holds (a storage
+        node, so a miss costs it no buffer). The tiers' own figures count reads only."""
+        if n > 0:
+            self._counters.add_many({"misses": n, "miss_tokens": n * ns.layout.chunk_tokens})
+
     def contains_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
         """``contains`` per key, each tier asked once for the batch."""
         self._registered(ns, keys)

@@ -292,3 +292,37 @@ def test_stats_list_namespaces_and_the_drain_flag(open_store: Store) -> None:
     store.close_session(session)
     stats = s.run(store.stats(store.open_session(), {}))
     assert stats["server"]["draining"] is True and not stats["namespaces"][0]["in_use"]
+
+
+def test_a_put_keeps_what_fits_the_held_bytes_budget_and_busy_when_nothing_fits(
+        tmp_path: Path) -> None:
+    s = Store(tmp_path, max_held_bytes=4 * CHUNK)
+    try:
+        store = s.store
+        session = store.open_session()
+        ns = byte_namespace()
+        s.declare(session, ns)
+        stored_first = keys_of(2, b"s")
+        assert s.put(session, ns, stored_first) == (2, 0)
+        # 2 stored + 6 new: the stored ones take no room, 4 of the new fit, 2 are dropped
+        keys = [*stored_first, *keys_of(6, b"n")]
+        assert s.put(session, ns, keys) == (6, 4)
+        assert store.counters.snapshot()["held_dropped_chunks"] == 2
+        assert store.held.held == 0  # given back on commit
+        found = s.get(session, ns, keys)
+        assert sum(f is not None for f in found) == 6
+
+        async def hold_then_put() -> Refused:
+            batch = await store.begin_put(session, ns.id, keys_of(4, b"h"), 4 * CHUNK)
+            try:
+                assert store.held.held == 4 * CHUNK
+                with pytest.raises(Refused) as info:
+                    await store.begin_put(session, ns.id, keys_of(1, b"x"), CHUNK)
+                return info.value
+            finally:
+                batch.abort()
+        busy = s.run(hold_then_put())
+        assert busy.status is Status.BUSY and "max_held_bytes" in busy.message
+        assert store.held.held == 0
+    finally:
+        s.close()

@@ -89,6 +89,9 @@ class Connection:
         self.cut_off: str | None = None  # why the sweeper closed it (a counter's name)
         #: It has moved a payload of server.offload_bytes or more: a lane would serve it.
         self.moves_large = False
+        #: A PUT payload is being received (or read away): server.payload_stall_timeout_s
+        #: applies (set by the loop or the lane thread).
+        self.receiving = False
 
     def count(self, name: str, n: int = 1) -> None:
         self.store.counters.add(name, n)
@@ -121,12 +124,16 @@ class Connection:
 
     def close_if_idle(self, now: float) -> None:
         """Called by the node's sweeper: a peer silent (or stalled mid-frame) for longer than
-        server.idle_timeout_s, or one still unauthenticated (or refused) server.auth_timeout_s
-        after it was accepted, is cut off; its pending receive fails and serve() returns."""
+        server.idle_timeout_s, one whose PUT payload stopped arriving for longer than
+        server.payload_stall_timeout_s (its reserved slots are then given back), or one
+        still unauthenticated (or refused) server.auth_timeout_s after it was accepted, is
+        cut off; its pending receive fails and serve() returns."""
         if self.cut_off is not None:
             return
         if now - self.last_io > self.cfg.idle_timeout_s:
             self.cut_off = "idle_closed"
+        elif self.receiving and now - self.last_io > self.cfg.payload_stall_timeout_s:
+            self.cut_off = "payload_stalls"
         elif (not self.session.authenticated or self.refusal is not None) and \
                 now - self.accepted > self.cfg.auth_timeout_s:
             self.cut_off = "auth_timeouts"
@@ -152,6 +159,7 @@ class Connection:
             if n == 0:
                 raise ConnectionError("peer closed the connection")
             got += n
+            self.last_io = time.monotonic()  # progress: not a stalled payload
 
     def _send_blocking(self, bufs: list[memoryview]) -> None:
         while bufs:
@@ -348,6 +356,13 @@ class Connection:
         return False
 
     async def _put(self, req: Header, ns_id: bytes, keys: list[bytes]) -> None:
+        self.receiving = True
+        try:
+            await self._receive_put(req, ns_id, keys)
+        finally:
+            self.receiving = False
+
+    async def _receive_put(self, req: Header, ns_id: bytes, keys: list[bytes]) -> None:
         try:
             self.refuse_put_if_stopping()
             batch = await self.store.begin_put(self.session, ns_id, keys, req.payload_len)
@@ -362,6 +377,7 @@ class Connection:
                     await self.discard(batch.ns.chunk_bytes)
                 else:
                     await self.recv_exact(target)
+            self.receiving = False  # all arrived; a durable commit's sync is not a stall
             stored = await self.store.commit_put(batch)
         finally:
             batch.abort()

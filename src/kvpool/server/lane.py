@@ -153,6 +153,13 @@ class Lane:
             answer.release()
 
     def _put(self, req: Header, meta: memoryview) -> None:
+        self.conn.receiving = True  # server.payload_stall_timeout_s applies
+        try:
+            self._receive_put(req, meta)
+        finally:
+            self.conn.receiving = False
+
+    def _receive_put(self, req: Header, meta: memoryview) -> None:
         conn = self.conn
         ns_id, keys = split_keys(meta, req.count)
         try:
@@ -167,6 +174,7 @@ class Lane:
                     self._discard(batch.ns.chunk_bytes)
                 else:
                     self._recv(target)
+            conn.receiving = False  # all arrived; a durable commit's sync is not a stall
             stored = conn.store.commit_put_blocking(batch)
         finally:
             batch.abort()

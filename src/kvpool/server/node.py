@@ -342,7 +342,8 @@ class StorageNode:
         reload may change them)."""
         srv = self.config.server
         while True:
-            await asyncio.sleep(min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4))
+            await asyncio.sleep(min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4,
+                                    srv.payload_stall_timeout_s / 4))
             now = time.monotonic()  # the connections' clock (lane threads write it too)
             for conn in [*self._connections.values(), *self._refusing.values()]:
                 conn.close_if_idle(now)

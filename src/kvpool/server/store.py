@@ -10,7 +10,11 @@ by driving it directly (tests/net/test_node_store.py).
 Payloads never pass through a staging copy: a PUT reserves DRAM slots and hands their views
 to the transport to receive into (:class:`PutBatch`); a GET pins the chunks resident in DRAM
 and hands out read-only views of them to send from (:class:`GetAnswer`), the rest read from
-the lower tiers into per-request buffers.
+the lower tiers into per-request buffers: only for the keys a lower tier's in-memory index
+says it holds, so a miss costs no payload memory. Those buffers and a PUT's reserved slots
+are held in the node's ledger (held.py: server.max_held_bytes, per tenant with auth on) until
+the answer is sent or the PUT committed; past its limits a GET is refused BUSY and a PUT
+keeps the chunks that fit (BUSY when none does).
 
 Nothing here that may block runs on the caller's event loop: lookups, existence probes,
 SSD reads, deletes, invalidations, STATS and durable commits run on ``executor``. Only
@@ -53,6 +57,7 @@ from kvpool.net.protocol import FEATURES, ProtocolError, Status
 from kvpool.pool import ChunkReservation, KVPool
 from kvpool.server.auth import Authenticator
 from kvpool.server.catalog import KeyCatalog
+from kvpool.server.held import HeldBytes, derived_limit
 from kvpool.server.registry import NamespaceRegistry, RegistryFull
 from kvpool.server.tenants import TenantCounters
 from kvpool.tiers.dram import PinnedView
@@ -107,11 +112,20 @@ class PutBatch:
     ns: Namespace
     targets: list[memoryview | None]
     _slots: list[ChunkReservation | bool] = field(repr=False)
+    #: Gives back the bytes the reserved slots hold in the node's ledger (held.py).
+    _give_back: Callable[[], None] | None = field(default=None, repr=False)
 
     def abort(self) -> None:
         for slot in self._slots:
             if not isinstance(slot, bool):
                 slot.abort()
+        self.release()
+
+    def release(self) -> None:
+        """Give the ledger back its bytes (idempotent; the slots are the caller's)."""
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
 
 
 @dataclass(slots=True)
@@ -124,10 +138,15 @@ class GetAnswer:
     flags: bytes
     views: list[memoryview]
     _pins: list[PinnedView | None] = field(repr=False)
+    #: Gives back the bytes its per-request buffers hold in the node's ledger (held.py).
+    _give_back: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         _release(self._pins)
         self._pins = []
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
 
 
 def _release(pins: Sequence[PinnedView | None]) -> None:
@@ -162,6 +181,15 @@ class NodeStore:
         self.catalog: KeyCatalog | None = None
         self._executor = executor
         self._sessions: set[Session] = set()
+        dram = pool.config.dram.capacity
+        limit = derived_limit(cfg.max_held_bytes, dram)
+        #: Bytes held for GET answers and PUT receives in progress, and their limits: shares
+        #: per tenant with auth on (without auth a tenant is whatever salt a client picks).
+        if self.auth.enabled:
+            share = cfg.tenant_held_share
+            self.held = HeldBytes(limit, int(limit * share), int(dram * share) if dram else None)
+        else:
+            self.held = HeldBytes(limit, limit, None)
 
     @property
     def drained(self) -> bool:
@@ -268,29 +296,58 @@ class NodeStore:
     # ------------------------------------------------------------------ writes
     async def begin_put(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
                         payload_len: int) -> PutBatch:
-        """Reserve room for a PUT of ``keys`` carrying ``payload_len`` bytes. Raises
-        Refused(UNKNOWN_NAMESPACE) (the transport must still read the payload away) and
-        ProtocolError when the payload is not one chunk per key."""
+        """Reserve room for a PUT of ``keys`` carrying ``payload_len`` bytes, within the
+        node's held-bytes limits (held.py): chunks past them are dropped as for lack of room.
+        Raises Refused (the transport must still read the payload away): UNKNOWN_NAMESPACE,
+        BUSY when no chunk fits; ProtocolError when the payload is not one chunk per key."""
         ns, scoped = self._put_scope(session, ns_id, keys, payload_len)
+        room = self._put_room(ns, len(scoped))
         # Slots are taken on the loop when that cannot block (the probes of what is stored
         # are index lookups; the SSD engine's lock is never held across IO); only a batch
         # that would wait for pinned slots goes to a worker thread.
-        pool = self.pool
-        tried = pool.reserve_many(ns, scoped, wait=False)
-        slots: list[ChunkReservation | bool] = [s for s in tried if s is not None]
-        if len(slots) < len(tried):
-            for slot in slots:
-                if not isinstance(slot, bool):
-                    slot.abort()
-            batch: PutBatch = await self._off_loop(self._reserve, ns, scoped)
-            return batch
-        return PutBatch(ns, [None if isinstance(s, bool) else s.view for s in slots], slots)
+        try:
+            slots = self._reserve(ns, scoped, room, wait=False)
+            if slots is None:
+                slots = await self._off_loop(self._reserve, ns, scoped, room, True)
+        except BaseException:
+            self.held.give(ns.tenant, room * ns.chunk_bytes, put=True)
+            raise
+        assert slots is not None
+        return self._put_batch(ns, slots, room)
 
     def begin_put_blocking(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
                            payload_len: int) -> PutBatch:
         """``begin_put`` on the calling thread, waiting for pinned slots if it must: for a
         lane, never the event loop. Same errors as begin_put."""
-        return self._reserve(*self._put_scope(session, ns_id, keys, payload_len))
+        ns, scoped = self._put_scope(session, ns_id, keys, payload_len)
+        room = self._put_room(ns, len(scoped))
+        try:
+            slots = self._reserve(ns, scoped, room, wait=True)
+        except BaseException:
+            self.held.give(ns.tenant, room * ns.chunk_bytes, put=True)
+            raise
+        assert slots is not None
+        return self._put_batch(ns, slots, room)
+
+    def _put_room(self, ns: Namespace, count: int) -> int:
+        """Take room in the ledger for up to ``count`` chunks of ``ns``; how many. Raises
+        Refused(BUSY) when a non-empty PUT finds room for none."""
+        room = self.held.take(ns.tenant, count, ns.chunk_bytes, put=True)
+        if count and not room:
+            self.counters.add("held_refused")
+            raise Refused(Status.BUSY, f"PUT refused: {self.held.describe(ns.tenant)}")
+        return room
+
+    def _put_batch(self, ns: Namespace, slots: list[ChunkReservation | bool],
+                   room: int) -> PutBatch:
+        """The batch over ``slots``; the ledger keeps the bytes of its reservations (given
+        back by the batch's abort) and gets the rest of ``room`` back now."""
+        reserved = sum(not isinstance(s, bool) for s in slots)
+        held, tenant = reserved * ns.chunk_bytes, ns.tenant
+        self.held.give(tenant, (room - reserved) * ns.chunk_bytes, put=True)
+        targets = [None if isinstance(s, bool) else s.view for s in slots]
+        return PutBatch(ns, targets, slots,
+                        (lambda: self.held.give(tenant, held, put=True)) if held else None)
 
     def _put_scope(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
                    payload_len: int) -> tuple[Namespace, list[bytes]]:
@@ -305,10 +362,36 @@ class NodeStore:
             self.catalog.note(ns, keys, scoped)
         return ns, scoped
 
-    def _reserve(self, ns: Namespace, scoped: list[bytes]) -> PutBatch:
-        """Slots for every chunk (waiting for pinned ones; no slot: dropped, as stored)."""
-        slots = [bool(s) if s is None else s for s in self.pool.reserve_many(ns, scoped)]
-        return PutBatch(ns, [None if isinstance(s, bool) else s.view for s in slots], slots)
+    def _reserve(self, ns: Namespace, scoped: list[bytes], room: int,
+                 wait: bool) -> list[ChunkReservation | bool] | None:
+        """Slots for the chunks of ``scoped`` not stored yet, at most ``room`` of them (the
+        rest: False, dropped, counted as held_dropped_chunks); True for a stored one, False
+        for one that found no slot (waiting for pinned ones with ``wait``). Without ``wait``,
+        None where a chunk would have waited (every slot taken is given back first)."""
+        pool = self.pool
+        slots: list[ChunkReservation | bool] = []
+        reserved = start = 0
+        while start < len(scoped) and reserved < room:
+            # Chunks already stored take no slot: ask for as many as the room left, again
+            # until it is used (one round when everything fits).
+            part = scoped[start:start + room - reserved]
+            tried = pool.reserve_many(ns, part, wait=wait)
+            if not wait and any(s is None for s in tried):
+                for slot in [*slots, *tried]:
+                    if isinstance(slot, ChunkReservation):
+                        slot.abort()
+                return None
+            for slot in tried:
+                if isinstance(slot, ChunkReservation):
+                    reserved += 1
+                    slots.append(slot)
+                else:
+                    slots.append(bool(slot))
+            start += len(part)
+        if start < len(scoped):
+            self.counters.add("held_dropped_chunks", len(scoped) - start)
+            slots.extend([False] * (len(scoped) - start))
+        return slots
 
     async def commit_put(self, batch: PutBatch) -> int:
         """Publish a PUT whose targets are all filled. Returns how many chunks count as
@@ -324,7 +407,10 @@ class NodeStore:
         (acknowledged = on the SSD and synced: one write and sync for the batch)."""
         received = [s for s in batch._slots if not isinstance(s, bool)]
         stored = sum(s for s in batch._slots if isinstance(s, bool))
-        stored += self.pool.commit_many(received)
+        try:
+            stored += self.pool.commit_many(received)
+        finally:
+            batch.release()  # published (or given up): the slots are no longer held
         ns = batch.ns
         self.counters.add("put_chunks", stored)
         self._count_tenant(ns, requests=1, put_chunks=stored, put_bytes=stored * ns.chunk_bytes)
@@ -391,7 +477,13 @@ class NodeStore:
                   touch: Sequence[bytes] = ()) -> GetAnswer:
         """GET ``keys`` (touching ``touch`` first, as TOUCH does). Raises Refused(TOO_LARGE)
         when the answer would exceed server.max_inflight_bytes. Chunks DRAM lacks are read
-        from the lower tiers on a worker thread."""
+        from the lower tiers on a worker thread, and so is the whole of a GET of more than
+        server.inline_exists_keys keys (scoping and pinning 65,536 keys would hold the loop
+        for tens of milliseconds)."""
+        if len(keys) > self.cfg.inline_exists_keys:
+            whole: GetAnswer = await self._off_loop(self.get_blocking, session, ns_id, keys,
+                                                    touch)
+            return whole
         ns, scoped, pins = self._pin_for_get(session, ns_id, keys, touch)
         if all(p is not None for p in pins):
             return self._answer_get(ns, scoped, pins)
@@ -420,26 +512,46 @@ class NodeStore:
 
     def _answer_get(self, ns: Namespace, scoped: list[bytes],
                     pins: list[PinnedView | None]) -> GetAnswer:
-        """The answer over ``pins``: chunks DRAM lacked are read from the lower tiers into
-        per-request buffers (blocking IO when there are any). Releases the pins if the read
-        raises."""
+        """The answer over ``pins``: of the chunks DRAM lacked, those a lower tier holds (an
+        in-memory index probe first: a key held nowhere costs no buffer) are read into
+        per-request buffers (blocking IO when there are any), whose bytes the node's ledger
+        holds until ``release``. Raises Refused(BUSY) when they do not fit the ledger
+        (held.py). Releases the pins if it raises."""
+        held = 0
+        tenant = ns.tenant
         try:
             payload: list[memoryview | None] = [p.data if p is not None else None for p in pins]
             missing = [i for i, p in enumerate(pins) if p is None]
             if missing:
-                bufs = [memoryview(bytearray(ns.chunk_bytes)) for _ in missing]
-                found = self.pool.get_many_into(ns, [scoped[i] for i in missing], bufs)
-                for i, buf, hit in zip(missing, bufs, found, strict=True):
-                    payload[i] = buf if hit else None
+                pool = self.pool
+                stored = pool.contains_many(ns, [scoped[i] for i in missing])
+                to_read = [i for i, has in zip(missing, stored, strict=True) if has]
+                if len(to_read) < len(missing):
+                    pool.count_misses(ns, len(missing) - len(to_read))
+                if to_read:
+                    if not self.held.take(tenant, 1, len(to_read) * ns.chunk_bytes):
+                        self.counters.add("held_refused")
+                        raise Refused(Status.BUSY, f"GET refused: {self.held.describe(tenant)}")
+                    held = len(to_read) * ns.chunk_bytes
+                    bufs = [memoryview(bytearray(ns.chunk_bytes)) for _ in to_read]
+                    found = pool.get_many_into(ns, [scoped[i] for i in to_read], bufs)
+                    for i, buf, hit in zip(to_read, bufs, found, strict=True):
+                        payload[i] = buf if hit else None
+                    lost = found.count(False) * ns.chunk_bytes  # gone since the probe
+                    self.held.give(tenant, lost)
+                    held -= lost
         except BaseException:
             _release(pins)
+            self.held.give(tenant, held)
             raise
         views = [p for p in payload if p is not None]
         hits, misses = len(views), len(scoped) - len(views)
         self.counters.add_many({"get_hits": hits, "get_misses": misses})
         self._count_tenant(ns, get_hits=hits, get_misses=misses, get_bytes=hits * ns.chunk_bytes)
         flags = b"\x01" * hits if not misses else bytes(p is not None for p in payload)
-        return GetAnswer(flags, views, pins)
+        nbytes = held
+        return GetAnswer(flags, views, pins,
+                         (lambda: self.held.give(tenant, nbytes)) if nbytes else None)
 
     # ------------------------------------------------------------------ stats
     def _identity(self) -> dict[str, Any]:
@@ -466,7 +578,8 @@ class NodeStore:
                     "namespaces": self.namespaces.listing(mine)}
         server: dict[str, Any] = self.counters.snapshot()
         server.update(self._identity(), **transport, **self.namespaces.stats(),
-                      draining=self.drained)
+                      draining=self.drained, held_bytes=self.held.held,
+                      max_held_bytes=self.held.limit)
         out: dict[str, Any] = {"server": server, "namespaces": self.namespaces.listing(None)}
         if self.auth.enabled:
             out["tenants"] = self._tenant_table(self.auth.tenants)
