@@ -72,3 +72,26 @@ def test_hot_bit_set_on_read_and_cleared_on_replace() -> None:
     assert index.column("hot")[index.slots_where(segment=0)[0]]
     index.put(key(1), 1, 5, 1, 0)
     assert not index.column("hot")[index.slots_where(segment=1)[0]]
+
+
+def test_a_resize_keeps_every_entry_and_hot_bit_and_drops_tombstones() -> None:
+    """The (vectorised) resize under long probe runs: keys with one home slot, the last one
+    of the old table and of the new (their runs wrap round to slot 0), and clustered ones."""
+    index = CompactIndex()
+    index.reserve(10_000)
+    last = 2 * index.capacity - 1  # the last slot of this table and of the next
+    keys = [last.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(300)]
+    keys += [key(i) for i in range(3000)] + [os.urandom(16) for _ in range(3000)]
+    for n, k in enumerate(keys):
+        index.put(k, n % 7, n, 1 + n % 5, n % 3)
+    for k in keys[::4]:
+        index.remove(k)
+    for k in keys[1::4]:
+        index.get(k, mark_hot=True)
+    index.reserve(20_000)
+    assert index.capacity == last + 1
+    assert len(index) == len(keys) - len(keys[::4])
+    for n, k in enumerate(keys):
+        assert index.get(k) == (None if n % 4 == 0 else Location(n % 7, n, 1 + n % 5, n % 3))
+    assert int(index.column("hot").sum()) == len(keys[1::4])
+    assert int(index.slots_where().size) == len(index)  # no tombstone left

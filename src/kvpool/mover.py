@@ -79,6 +79,40 @@ class Mover:
                                                     initargs=(self._nice,))
             return self._executor.submit(self._job, ns, todo, counter, count_hits)
 
+    def submit_found(self, ns: Namespace, find: Callable[[], Sequence[bytes]], counter: str,
+                     skipped: str) -> Future[int] | None:
+        """Queue a job that first calls ``find`` on the mover's thread for the keys to move
+        up (those DRAM lacks), then moves them as ``submit`` would (the reads not counted as
+        hits). For a search that may take long (a warm start's sort of the SSD index):
+        the caller, perhaps a storage node's event loop, never runs it. None if
+        ``max_pending`` jobs are queued (counted as ``skipped``) or the mover is closed.
+        A ``find`` that raises moves nothing (logged; PoolClosedError silently)."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._pending >= self._max_pending:
+                self._counters.add(skipped)
+                return None
+            self._pending += 1
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-mover",
+                                                    initializer=lower_thread_priority,
+                                                    initargs=(self._nice,))
+            return self._executor.submit(self._found_job, ns, find, counter)
+
+    def _found_job(self, ns: Namespace, find: Callable[[], Sequence[bytes]],
+                   counter: str) -> int:
+        todo: list[bytes] = []
+        try:
+            keys = find()
+            todo = [k for k, held in zip(keys, self._front.contains_many(keys, ns.id),
+                                         strict=True) if not held]
+        except PoolClosedError:
+            pass  # closing: the move is moot
+        except Exception:  # a background move never surfaces errors
+            log.exception("finding the chunks to move up to DRAM failed")
+        return self._job(ns, todo, counter, False)  # gives the pending job back
+
     def _job(self, ns: Namespace, keys: list[bytes], counter: str, count_hits: bool) -> int:
         moved = 0
         add = self._counters.add_many if count_hits else None

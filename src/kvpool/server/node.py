@@ -359,12 +359,12 @@ class StorageNode:
                 loop.add_signal_handler(sig, self._stop_on, sig.name)
         with contextlib.suppress(RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP, self.reload)
-        try:
-            registration = self._registration = self._register()
+        try:  # etcd's HTTP on a thread: the loop (signals, the metrics' /readyz) keeps going
+            registration = self._registration = await loop.run_in_executor(None, self._register)
         except BaseException:
             await self._release()
             raise
-        self._start_repair()
+        await loop.run_in_executor(None, self._start_repair)  # loads its catalog from disk
         accept = asyncio.create_task(self._accept_loop())
         sweeper = asyncio.create_task(self._sweep_idle())
         self._serving = True

@@ -23,7 +23,8 @@ lock is busy, pool.touch), the ``*_now`` existence probes the transport asks for
 probe is all the node has in flight (index lookups; no tier holds its lock across IO),
 pinning DRAM slots, and slot reservations that do not wait (an
 eviction they cause demotes to the write-behind queue, which copies and returns: it never
-waits for the SSD). A non-durable commit publishes DRAM slots and stages copies the same way.
+waits for the SSD). A small non-durable commit publishes DRAM slots and stages copies the
+same way; one of server.offload_bytes or more runs on ``executor``.
 
 Failure contract: a request the node answers wrongly-but-safely (unknown namespace, forbidden
 tenant, too many bytes for one answer, a bad namespace declaration) raises :class:`Refused`
@@ -396,8 +397,12 @@ class NodeStore:
     async def commit_put(self, batch: PutBatch) -> int:
         """Publish a PUT whose targets are all filled. Returns how many chunks count as
         stored (already-stored ones included); durable puts are written and synced first,
-        on a worker thread (an fdatasync must never stall the event loop)."""
-        if self.pool.durable_puts:
+        on a worker thread (an fdatasync must never stall the event loop), and so is a
+        non-durable put of at least server.offload_bytes (its copy into the SSD's
+        write-behind staging, up to max_frame_bytes, delays only this PUT); a smaller one
+        commits inline, where the copy costs less than the hop to a worker."""
+        received = sum(t is not None for t in batch.targets) * batch.ns.chunk_bytes
+        if self.pool.durable_puts or received >= self.cfg.offload_bytes:
             result: int = await self._off_loop(self.commit_put_blocking, batch)
             return result
         return self.commit_put_blocking(batch)

@@ -362,7 +362,12 @@ class SsdEngine:
         """The keys of the namespace's most recently written records whose payloads fit
         ``max_bytes`` in all, in write order (oldest of them first, so a prefix saved by one
         put_many stays one run for get_many_into); what a restart warms DRAM with. Empty for
-        a namespace with no records; never raises once open."""
+        a namespace with no records; never raises once open.
+
+        Only the snapshot of the namespace's index columns is taken under the engine lock
+        (a vectorised scan and copy: milliseconds for a million records); the sort (~0.8 s
+        per million) runs outside it, so readers and writers never wait for it. A record
+        evicted or deleted meanwhile may still be listed: reading it is a miss."""
         self._check_open()
         with self._lock:
             want = self._ns.find(namespace_id)
@@ -373,13 +378,18 @@ class SsdEngine:
                 return []
             start = np.array([self._log.segments[s].start_seq for s in range(self._store.count)],
                              dtype=np.uint64)
-            segment = self._index.column("segment")[slots]
-            # newest first: by the segment's first seq, then by place in the segment
-            order = np.lexsort((self._index.column("block")[slots], start[segment]))[::-1]
-            payload = (self._index.column("blocks")[slots[order]].astype(np.int64) - 1) * BLOCK
-            taken = int(np.searchsorted(np.cumsum(payload), max_bytes, side="right"))
-            chosen = slots[order[:taken]][::-1]
-            return [self._index.key_at(int(slot)) for slot in chosen]
+            column = self._index.column
+            # fancy indexing copies: the snapshot stays valid after the lock is released
+            seq = start[column("segment")[slots]]
+            block, blocks = column("block")[slots], column("blocks")[slots]
+            keys = np.empty((slots.size, 2), dtype="<u8")
+            keys[:, 0], keys[:, 1] = column("k0")[slots], column("k1")[slots]
+        # newest first: by the segment's first seq, then by place in the segment
+        order = np.lexsort((block, seq))[::-1]
+        payload = (blocks[order].astype(np.int64) - 1) * BLOCK
+        taken = int(np.searchsorted(np.cumsum(payload), max_bytes, side="right"))
+        raw = keys[order[:taken][::-1]].tobytes()
+        return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:

@@ -240,19 +240,35 @@ class CompactIndex:
             self._resize(max(self._cap, int(count / _MAX_LOAD) + 1))
 
     def _resize(self, cap: int) -> None:
-        live = [i for i in range(self._cap) if self._blocks[i] not in (_EMPTY, _DELETED)]
-        old = (self._k0, self._k1, self._segment, self._block, self._blocks, self._ns_index,
-               self._hot)
+        """Rebuild the table at ``cap`` slots (dropping tombstones), vectorised: it runs
+        under the engine lock, and a per-slot Python loop held it ~1.5 s per million
+        entries. Each round places, for every slot wanted by entries not yet placed, one of
+        them, and moves the rest one slot on; an entry therefore ends past a run of occupied
+        slots from its home slot, as linear probing requires."""
+        blocks = self.column("blocks")
+        live = np.flatnonzero((blocks != _EMPTY) & (blocks != _DELETED))
+        old = {name: self.column(name)[live] for name, _, _ in _COLUMNS}  # copies
         self._alloc(cap)
-        self._count = 0
         self._deleted = 0
-        for j in live:
-            a = old[0][j]
-            i = a % cap
-            while self._blocks[i] != _EMPTY:
-                i = i + 1 if i + 1 < cap else 0
-            self._store(i, a, old[1][j], old[2][j], old[3][j], old[4][j], old[5][j], old[6][j])
-            self._count += 1
+        self._count = int(live.size)
+        if not live.size:
+            return
+        pos = (old["k0"] % np.uint64(cap)).astype(np.int64)
+        owner = np.full(cap, -1, dtype=np.int64)
+        todo = np.arange(live.size, dtype=np.int64)
+        while todo.size:
+            want = pos[todo]
+            free = owner[want] < 0
+            bidders, slots = todo[free], want[free]
+            owner[slots] = bidders  # one bidder per slot wins (whichever numpy keeps)
+            placed = np.zeros(live.size, dtype=bool)
+            placed[bidders[owner[slots] == bidders]] = True
+            todo = todo[~placed[todo]]
+            pos[todo] = (pos[todo] + 1) % cap
+        where = np.flatnonzero(owner >= 0)
+        order = owner[where]
+        for name, _, _ in _COLUMNS:
+            self.column(name)[where] = old[name][order]
 
 
 class NamespaceIds:

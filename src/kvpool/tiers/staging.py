@@ -1,7 +1,8 @@
 """Bounded write-behind to a slower tier (the SSD engine, or the storage-node cluster): a tier
 of its own, placed above the tier it feeds, so a pool reads staged chunks like any other.
 
-``offer`` (``put_many``) copies a chunk into a staging buffer and returns at once; a worker
+``offer`` (``put_many``) copies a chunk into a staging buffer (a large copy with the GIL
+released: ``buffers.copy_into``) and returns at once; a worker
 thread writes staged chunks to the sink in batches. When the staged bytes would exceed the
 budget the offer is refused and counted as a dropped save: the caller (inference) never waits
 for the SSD. Staged chunks are readable (``get_into``) until written, so a just-evicted chunk
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpool.buffers import byte_view
+from kvpool.buffers import byte_view, copy_into
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.logs import RateLimited
@@ -109,7 +110,7 @@ class WriteBehind:
         if buf is None:
             self._say_dropped()  # outside the lock: the queue's users never wait on a log
             return False
-        buf[:view.nbytes] = view
+        copy_into(buf, view)  # a large copy releases the GIL: no other thread waits
         with self._lock:
             self._queue[key] = _Staged(ns, buf, view.nbytes)
             self._cond.notify_all()
