@@ -23,7 +23,10 @@ from kvpool.policy import EVICTION_POLICIES
 
 def test_trace_chunks_tokens_and_splitting(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "t.jsonl", [[7, 8, 9], [7, 5]], lengths=[1300, 600])
-    t = read_trace(path)
+    # By default a partial last chunk (276 and 88 tokens here) is no reference at all.
+    assert read_trace(path).keys.tolist() == [7, 8, 7]
+    # Stored as an engine that saves unfull chunks would: the tokens it holds, a full chunk.
+    t = read_trace(path, store_partial=True)
     assert t.keys.tolist() == [7, 8, 9, 7, 5]
     assert t.tokens.tolist() == [512, 512, 276, 512, 88]
     assert t.starts.tolist() == [0, 3, 5]
@@ -31,7 +34,7 @@ def test_trace_chunks_tokens_and_splitting(tmp_path: Path) -> None:
     assert (t.requests, t.references, t.distinct) == (2, 5, 4)
     assert t.timestamps.tolist() == [0.0, 0.01]
     # 256-token chunks: id h becomes 2h and 2h+1; a short last block keeps only what it holds.
-    s = read_trace(path, block_tokens=256)
+    s = read_trace(path, block_tokens=256, store_partial=True)
     assert s.keys.tolist() == [14, 15, 16, 17, 18, 19, 14, 15, 10]
     assert s.tokens.tolist() == [256, 256, 256, 256, 256, 20, 256, 256, 88]
     assert s.starts.tolist() == [0, 6, 9]
@@ -84,7 +87,7 @@ def test_belady_prefix_hits_and_tokens(tmp_path: Path) -> None:
     # [1,2] [1,3] [1,2] at capacity 2: chunk 3 is never used again, so it is kept out and
     # the third request finds its whole prefix.
     t = read_trace(write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 3], [1, 2]],
-                               lengths=[1024, 1024, 700]))
+                               lengths=[1024, 1024, 700]), store_partial=True)
     r = belady(t, 2)
     assert r.hits.tolist() == [0, 1, 2]
     assert r.hit_tokens.tolist() == [0, 512, 700]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ _COST_FLAGS = {  # CostModel field -> help
     "dram_latency_s": "DRAM read latency, seconds",
     "ssd_read_gbps": "SSD read bandwidth, GB/s",
     "ssd_latency_s": "SSD read latency, seconds",
-    "gpu_hour_usd": "price of one engine (GPU) hour, USD",
+    "engine_hour_usd": "price of one engine-hour, USD (also --gpu-hour-usd)",
     "dram_gib_month_usd": "DRAM price per GiB-month, USD",
     "ssd_gib_month_usd": "SSD price per GiB-month, USD",
 }
@@ -43,12 +44,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", metavar="N", type=int, default=SOURCE_BLOCK,
                         help=f"tokens per chunk; must divide the trace's {SOURCE_BLOCK}-token "
                              f"blocks (default {SOURCE_BLOCK})")
+    parser.add_argument("--store-partial", action="store_true",
+                        help="store a request's partial last chunk too (as an engine that "
+                             "saves unfull chunks); by default it is never stored, always "
+                             "prefilled")
+    parser.add_argument("--preset", choices=sorted(cost.PRESETS), default=cost.DEFAULT_PRESET,
+                        help="engine the cost model describes: "
+                             + "; ".join(f"{k}: {v.description}"
+                                         for k, v in sorted(cost.PRESETS.items()))
+                             + " (default %(default)s); the flags below override it")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--bytes-per-token", metavar="N", type=int, default=None,
                       help="KV bytes per token (instead of --model)")
     size.add_argument("--model", metavar="NAME", choices=sorted(cost.MODELS), default=None,
                       help=f"bytes per token of a known model: {', '.join(sorted(cost.MODELS))} "
-                           f"(default {cost.DEFAULT_MODEL})")
+                           "(default: the --preset's)")
     parser.add_argument("--dram", metavar="SIZE", nargs="+", default=list(DEFAULT_DRAM),
                         help="DRAM sizes: bytes (4GiB) or %% of the trace's distinct chunks "
                              f"(default {_escaped(DEFAULT_DRAM)})")
@@ -61,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(sorted(EVICTION_POLICIES))})")
     parser.add_argument("--ssd-policy", choices=sorted(SEGMENT_POLICIES),
                         default=defaults.ssd_policy, help="ssd.eviction (default %(default)s)")
-    parser.add_argument("--ssd-segment", metavar="SIZE", default=str(defaults.segment_size),
-                        help="ssd.segment_size (default %(default)s bytes)")
+    parser.add_argument("--ssd-segment", metavar="SIZE", default=None,
+                        help=f"ssd.segment_size (default {defaults.segment_size} bytes; "
+                             "2GiB with --preset gpu-70b, whose chunks are 160 MiB)")
     parser.add_argument("--copy-forward-fraction", type=float,
                         default=defaults.copy_forward_fraction,
                         help="ssd.copy_forward_fraction (default %(default)s)")
@@ -74,8 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-json", metavar="PATH", type=Path, default=None,
                         help="read DRAM and SSD read bandwidth from kvpool bench storage --json")
     for name, text in _COST_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=float, default=None,
-                            help=f"{text} (default {getattr(defaults.costs, name):g})")
+        flags = ["--" + name.replace("_", "-")]
+        if name == "engine_hour_usd":
+            flags.append("--gpu-hour-usd")  # its name before engines were not only GPUs
+        parser.add_argument(*flags, dest=name, type=float, default=None,
+                            help=f"{text} (default: the --preset's, cpu "
+                                 f"{getattr(defaults.costs, name):g})")
     parser.add_argument("--ttft-p99", metavar="SECONDS", type=float, default=None,
                         help="report the cheapest configuration whose TTFT p99 is at most this")
     parser.add_argument("--json", metavar="PATH", type=Path, default=None,
@@ -85,30 +100,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> PlanSettings:
-    """Raises ValueError for a bad size or option, OSError for an unreadable --storage-json."""
+    """Raises ValueError for a bad size or option (a negative, infinite or NaN figure
+    included), OSError for an unreadable --storage-json."""
+    preset = cost.PRESETS[args.preset]
     if args.bytes_per_token is not None:
         if args.bytes_per_token < 1:
             raise ValueError(f"--bytes-per-token must be >= 1, got {args.bytes_per_token}")
         bpt, model = args.bytes_per_token, None
     else:
-        model = args.model or cost.DEFAULT_MODEL
+        model = args.model or preset.model
         bpt = cost.model_bytes_per_token(model)
-    costs = cost.CostModel()
+    costs = replace(cost.CostModel(), **preset.figures)
+    sources = {**cost.SOURCES, **preset.sources}
     if args.storage_json is not None:
         costs = costs.with_storage_json(args.storage_json)
+        for k in ("dram_read_gbps", "ssd_read_gbps"):
+            sources[k] = f"read from {args.storage_json} (kvpool bench storage --json)"
     given = {f.name: getattr(args, f.name) for f in fields(costs)
              if getattr(args, f.name, None) is not None}
-    bad = [k for k, v in given.items() if v < 0 or (k.endswith("gbps") and v == 0)]
+    bad = [k for k, v in given.items()
+           if not math.isfinite(v) or v < 0 or (k.endswith("gbps") and v == 0)]
     if bad:
-        raise ValueError(f"--{bad[0].replace('_', '-')} must be positive")
+        raise ValueError(f"--{bad[0].replace('_', '-')} must be a finite number >= 0 "
+                         f"(> 0 for a bandwidth), got {given[bad[0]]}")
+    sources.update({k: f"given: --{k.replace('_', '-')}" for k in given})
+    if args.ttft_p99 is not None and not (math.isfinite(args.ttft_p99) and args.ttft_p99 > 0):
+        raise ValueError(f"--ttft-p99 must be a finite number of seconds > 0, got "
+                         f"{args.ttft_p99}")
     if not 0 <= args.copy_forward_fraction <= 0.9:
         raise ValueError("--copy-forward-fraction must be in [0, 0.9]")
     return PlanSettings(bytes_per_token=bpt, model=model, dram=args.dram, ssd=args.ssd,
                         policies=args.policy, ssd_policy=args.ssd_policy,
-                        segment_size=parse_size(args.ssd_segment),
+                        segment_size=parse_size(args.ssd_segment) if args.ssd_segment
+                        else preset.segment_size or PlanSettings.segment_size,
                         copy_forward_fraction=args.copy_forward_fraction,
                         ssd_write=args.ssd_write, admission=args.admission,
-                        ttft_p99_s=args.ttft_p99, costs=replace(costs, **given))
+                        ttft_p99_s=args.ttft_p99, costs=replace(costs, **given),
+                        preset=args.preset, cost_sources=sources)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -121,7 +149,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         console = Console(width=160)  # tables stay readable when piped or logged
     try:
         settings = settings_from_args(args)
-        trace = read_trace(args.trace, args.block_tokens)
+        trace = read_trace(args.trace, args.block_tokens, store_partial=args.store_partial)
         if args.requests is not None:
             if args.requests < 1:
                 raise ValueError(f"--requests must be >= 1, got {args.requests}")

@@ -5,23 +5,26 @@ bytes / read bandwidth, per tier) + prefill of the other prompt tokens at a fixe
 token. Prefill cost is taken as linear in tokens (attention's quadratic term is left out) and
 the decode of output tokens, which the cache does not change, is left out.
 
-Cost per million prompt tokens: the engine is paid for the seconds it spends on TTFT (busy
-time, requests back to back) at ``gpu_hour_usd``, and its cache tiers for the same seconds at
-their GiB-month prices (a month = 730 hours). "No cache" is the same engine prefilling every
-token with no tiers.
+Cost per million prompt tokens, over the trace's own span (first to last arrival, measured
+from the trace): the prefill demand is the tokens the engines must compute (prompt tokens the
+cache did not serve) x ``prefill_s_per_token`` (the stated engine throughput), in
+engine-seconds; the engines needed to serve it in the span are demand / span (``engines``,
+and ``engines_whole`` rounded up), and are paid for that demand at ``engine_hour_usd`` (a
+fleet sized to the load). Loads from the tiers add to TTFT but not to engine time (the KV
+transfer overlaps other requests' compute). The tiers are one shared pool, paid for the whole
+span at their GiB-month prices (a month = 730 hours). "No cache" is the same engines
+prefilling every token, with no tiers.
 
-Defaults (``CostModel``): prefill is measured here, on the demo model: ``make demo`` on the
-2-core VM, SmolLM2-135M on the CPU, 12.98 s to prefill 5,984 tokens (README.md) = 2.17 ms per
-token. DRAM 10 GB/s and SSD 1.2 GB/s read are measured here too (a numpy copy into a
-preallocated buffer: 10-12 GB/s; O_DIRECT ``preadv``: 1.0-1.4 GB/s); the latencies and every
-price are assumed (list prices of late 2026: a GPU-hour of an H100-class card $2.50, DRAM $3 and
-NVMe $0.08 per GiB-month). Prefill speed and GPU price must describe the same engine: for a GPU
-deployment pass both (``--prefill-s-per-token``, ``--gpu-hour-usd``).
+Presets (``PRESETS``, ``--preset``) describe an engine: its model (KV bytes per token), prefill
+speed, price and the read bandwidths its tiers reach. ``cpu`` is this machine, measured;
+``gpu-70b`` is a 70B-class model on an 8-GPU node, assumed. ``SOURCES`` says for every figure
+whether it is measured or assumed; the report prints it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -55,15 +58,17 @@ def model_bytes_per_token(name: str) -> int:
 
 @dataclass(frozen=True)
 class CostModel:
-    prefill_s_per_token: float = 12.98 / 5984  # measured: make demo, SmolLM2-135M, CPU
-    lookup_s: float = 200e-6  # assumed: one lookup across the local tiers
-    dram_read_gbps: float = 10.0  # measured here (numpy copy into a preallocated buffer)
-    dram_latency_s: float = 10e-6  # assumed
-    ssd_read_gbps: float = 1.2  # measured here (O_DIRECT preadv)
-    ssd_latency_s: float = 100e-6  # measured here: 4 KiB random read at queue depth 1, ~70 µs
-    gpu_hour_usd: float = 2.50  # assumed
-    dram_gib_month_usd: float = 3.00  # assumed
-    ssd_gib_month_usd: float = 0.08  # assumed
+    """The figures the cost model uses; defaults are the ``cpu`` preset (see ``SOURCES``)."""
+
+    prefill_s_per_token: float = 12.98 / 5984
+    lookup_s: float = 200e-6
+    dram_read_gbps: float = 10.0
+    dram_latency_s: float = 10e-6
+    ssd_read_gbps: float = 1.2
+    ssd_latency_s: float = 100e-6
+    engine_hour_usd: float = 0.10
+    dram_gib_month_usd: float = 3.00
+    ssd_gib_month_usd: float = 0.08
 
     def with_storage_json(self, path: Path | str) -> CostModel:
         """Read bandwidths from ``kvpool bench storage --json`` output: DRAM from the
@@ -88,6 +93,63 @@ class CostModel:
                        ssd_read_gbps=ssd or self.ssd_read_gbps)
 
 
+#: Where each figure of the ``cpu`` preset (the CostModel defaults) comes from.
+SOURCES: dict[str, str] = {
+    "prefill_s_per_token": "measured here: make demo, SmolLM2-135M on this 2-core CPU VM, "
+                           "12.98 s to prefill 5,984 tokens",
+    "lookup_s": "assumed: one lookup across the local tiers",
+    "dram_read_gbps": "measured here: numpy copy into a preallocated buffer, 10-12 GB/s",
+    "dram_latency_s": "assumed",
+    "ssd_read_gbps": "measured here: O_DIRECT preadv, 1.0-1.4 GB/s",
+    "ssd_latency_s": "measured here: 4 KiB random read at queue depth 1, ~70 us",
+    "engine_hour_usd": "assumed: a 2-vCPU, 8 GiB cloud VM on demand (late 2026 list price)",
+    "dram_gib_month_usd": "assumed: cloud DRAM, late 2026",
+    "ssd_gib_month_usd": "assumed: cloud NVMe, late 2026",
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """An engine: its model, the cost figures that differ from the defaults, and their
+    sources."""
+
+    model: str
+    figures: dict[str, float]
+    sources: dict[str, str]
+    description: str
+    segment_size: int | None = None  # ssd.segment_size for this KV size; None: the default
+
+
+PRESETS: dict[str, Preset] = {
+    "cpu": Preset("smollm2-135m", {}, {},
+                  "SmolLM2-135M (fp32 KV) on this 2-core CPU VM, as make demo runs it"),
+    "gpu-70b": Preset(
+        "llama-3-70b",
+        {"prefill_s_per_token": 1 / 20_000, "engine_hour_usd": 20.0,
+         "dram_read_gbps": 100.0, "ssd_read_gbps": 12.0},
+        {"prefill_s_per_token": "assumed: 20,000 prompt tokens/s for Llama-3-70B on 8 "
+                                "H100s, tensor-parallel (2 x 70e9 FLOP/token at ~35% of "
+                                "8 x 989 TFLOP/s bf16)",
+         "engine_hour_usd": "assumed: 8 H100-class GPU-hours at $2.50",
+         "dram_read_gbps": "assumed: host DRAM to the 8 GPUs, each loading its shard over "
+                           "its own PCIe 5.0 x16 link (~12.5 GB/s each)",
+         "ssd_read_gbps": "assumed: 4 NVMe Gen4 drives striped, ~3 GB/s each"},
+        "Llama-3-70B (bf16 KV) on an 8 x H100 node, one engine per node",
+        segment_size=2 << 30),  # a 512-token chunk is 160 MiB: 256 MiB segments hold one
+}
+DEFAULT_PRESET = "cpu"
+
+
+def span_s(trace: Trace, model: CostModel) -> tuple[float, str]:
+    """The seconds the cost is taken over, and how they were found: the trace's arrival span
+    when it has one, else (all requests at one instant) the time one engine takes to prefill
+    it all, requests back to back."""
+    if trace.duration_s > 0:
+        return trace.duration_s, "the trace's first to last arrival"
+    busy = float(trace.input_tokens.sum()) * model.prefill_s_per_token
+    return max(busy, 1e-9), "no arrival span in the trace: one engine prefilling it all"
+
+
 def ttft(trace: Trace, model: CostModel, chunk_bytes: int, dram_hits: np.ndarray,
          ssd_hits: np.ndarray, hit_tokens: np.ndarray) -> np.ndarray:
     """Seconds to first token per request, from the chunks each tier served."""
@@ -104,19 +166,27 @@ def no_cache_ttft(trace: Trace, model: CostModel) -> np.ndarray:
     return np.asarray(trace.input_tokens * model.prefill_s_per_token, dtype=np.float64)
 
 
-def summarize(trace: Trace, model: CostModel, seconds: np.ndarray, dram_bytes: int,
-              ssd_bytes: int) -> dict[str, Any]:
-    """TTFT p50 / p99 / mean, prefill tokens/s and cost per million prompt tokens."""
-    busy = float(seconds.sum())
+def summarize(trace: Trace, model: CostModel, seconds: np.ndarray, hit_tokens: np.ndarray | int,
+              dram_bytes: int, ssd_bytes: int, span: float) -> dict[str, Any]:
+    """TTFT p50 / p99 / mean, the engines the prefill demand needs over ``span`` seconds and
+    the cost per million prompt tokens (see the module docstring)."""
     tokens = float(trace.input_tokens.sum())
-    storage_per_s = (dram_bytes / GIB * model.dram_gib_month_usd
-                     + ssd_bytes / GIB * model.ssd_gib_month_usd) / MONTH_S
-    usd = busy * (model.gpu_hour_usd / 3600.0 + storage_per_s)
+    computed = tokens - float(np.sum(hit_tokens))
+    demand = computed * model.prefill_s_per_token  # engine-seconds of prefill
+    engine_usd = demand * model.engine_hour_usd / 3600.0
+    storage_usd = (dram_bytes / GIB * model.dram_gib_month_usd
+                   + ssd_bytes / GIB * model.ssd_gib_month_usd) / MONTH_S * span
+    mtok = tokens / 1e6
+    engines = demand / span if span > 0 else 0.0
     return {
-        "ttft_p50_s": float(np.percentile(seconds, 50)),
-        "ttft_p99_s": float(np.percentile(seconds, 99)),
-        "ttft_mean_s": busy / max(1, seconds.size),
-        "tokens_per_s": tokens / busy if busy > 0 else float("inf"),
-        "busy_s": busy,
-        "usd_per_mtok": usd / (tokens / 1e6) if tokens else 0.0,
+        "ttft_p50_s": float(np.percentile(seconds, 50)) if seconds.size else 0.0,
+        "ttft_p99_s": float(np.percentile(seconds, 99)) if seconds.size else 0.0,
+        "ttft_mean_s": float(seconds.sum()) / max(1, seconds.size),
+        "prefill_engine_s": demand,
+        "engines": engines,
+        "engines_whole": math.ceil(engines - 1e-9),
+        "tokens_per_engine_s": tokens / demand if demand > 0 else float("inf"),
+        "engine_usd_per_mtok": engine_usd / mtok if mtok else 0.0,
+        "storage_usd_per_mtok": storage_usd / mtok if mtok else 0.0,
+        "usd_per_mtok": (engine_usd + storage_usd) / mtok if mtok else 0.0,
     }

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.config import DramConfig, PoolConfig, SsdConfig, parse_size
+from kvpool.config import MAX_SEGMENTS, DramConfig, PoolConfig, SsdConfig, parse_size
 from kvpool.plan import cost
 from kvpool.plan.belady import BeladyResult, belady, next_use
 from kvpool.plan.replay import ReplayResult, SsdWrite, TierConfig, replay
@@ -62,6 +62,8 @@ class PlanSettings:
     admission: str = _ADMISSION
     ttft_p99_s: float | None = None
     costs: cost.CostModel = field(default_factory=cost.CostModel)
+    preset: str = cost.DEFAULT_PRESET
+    cost_sources: dict[str, str] = field(default_factory=lambda: dict(cost.SOURCES))
 
     def chunk_bytes(self, trace: Trace) -> int:
         return trace.block_tokens * self.bytes_per_token
@@ -75,8 +77,8 @@ def _fraction(spec: str) -> float | None:
         pct = float(spec[:-1])
     except ValueError:
         raise ValueError(f"not a percentage: {spec!r}") from None
-    if math.isnan(pct) or pct < 0:
-        raise ValueError(f"a percentage must be >= 0, got {spec!r}")
+    if not math.isfinite(pct) or pct < 0:
+        raise ValueError(f"a percentage must be a finite number >= 0, got {spec!r}")
     return pct / 100.0
 
 
@@ -93,7 +95,8 @@ def dram_size(spec: str, trace: Trace, chunk_bytes: int) -> Size:
 
 def ssd_size(spec: str, trace: Trace, chunk_bytes: int, segment_size: int) -> Size:
     """Chunks the SSD holds (0: no SSD). Raises ValueError for a bad size, one of fewer than
-    two segments, or a chunk that does not fit a segment."""
+    two segments or more than the engine's MAX_SEGMENTS, or a chunk that does not fit a
+    segment."""
     frac = _fraction(spec)
     nbytes = 0 if frac is not None else parse_size(spec)
     if frac == 0 or (frac is None and nbytes == 0):
@@ -109,14 +112,21 @@ def ssd_size(spec: str, trace: Trace, chunk_bytes: int, segment_size: int) -> Si
         if segments < 2:
             raise ValueError(f"--ssd {spec}: less than two segments of {segment_size} bytes "
                              "(the engine's minimum); raise it or lower --ssd-segment")
+    if segments > MAX_SEGMENTS:
+        raise ValueError(f"--ssd {spec}: {segments:,} segments of {segment_size} bytes, more "
+                         f"than the engine's {MAX_SEGMENTS:,}; lower it or raise --ssd-segment")
     return Size(spec, segments * per, segments * segment_size)
 
 
 def hit_figures(trace: Trace, hits: np.ndarray, hit_tokens: np.ndarray) -> dict[str, float]:
-    """Request, chunk and token hit rates and the prefill tokens saved."""
+    """Request, chunk and token hit rates and the prefill tokens saved. The request hit
+    fraction is the mean over requests with a cacheable chunk of the share of its chunks
+    served (each request weighs the same; the chunk hit rate weighs long prompts more)."""
     saved = int(hit_tokens.sum())
+    per = np.diff(trace.starts)
+    some = per > 0
     return {
-        "request_hit_rate": float(np.count_nonzero(hits)) / max(1, trace.requests),
+        "request_hit_fraction": float(np.mean(hits[some] / per[some])) if some.any() else 0.0,
         "chunk_hit_rate": float(hits.sum()) / max(1, trace.references),
         "token_hit_rate": saved / max(1, int(trace.input_tokens.sum())),
         "prefill_tokens_saved": saved,
@@ -124,7 +134,9 @@ def hit_figures(trace: Trace, hits: np.ndarray, hit_tokens: np.ndarray) -> dict[
 
 
 def _row(trace: Trace, s: PlanSettings, dram: Size, ssd: Size, res: ReplayResult,
-         bel: BeladyResult) -> dict[str, Any]:
+         bel: BeladyResult, span: float) -> dict[str, Any]:
+    """One configuration's figures. ``bel`` is Belady at the same total capacity: DRAM's with
+    no SSD, DRAM + SSD chunks with one (a bound on hits from either tier)."""
     cb = s.chunk_bytes(trace)
     c = res.counters
     row: dict[str, Any] = {"policy": res.config.policy, "dram": dram.label,
@@ -135,6 +147,8 @@ def _row(trace: Trace, s: PlanSettings, dram: Size, ssd: Size, res: ReplayResult
     row["ssd_chunk_hit_rate"] = float(res.ssd_hits.sum()) / max(1, trace.references)
     bel_rate = float(bel.hits.sum()) / max(1, trace.references)
     row["belady_chunk_hit_rate"] = bel_rate
+    row["belady_capacity_chunks"] = bel.capacity
+    row["belady_basis"] = "dram+ssd" if ssd.chunks else "dram"
     row["vs_belady"] = row["chunk_hit_rate"] / bel_rate if bel_rate else None
     writes, forwarded = c.get("ssd_writes", 0), c.get("ssd_forwarded", 0)
     row.update(dram_read_bytes=c["dram_reads"] * cb, dram_written_bytes=c["dram_writes"] * cb,
@@ -144,7 +158,8 @@ def _row(trace: Trace, s: PlanSettings, dram: Size, ssd: Size, res: ReplayResult
                ssd_write_amplification=forwarded / writes if writes else 0.0,
                ssd_dropped_chunks=c.get("ssd_dropped", 0))
     seconds = cost.ttft(trace, s.costs, cb, res.dram_hits, res.ssd_hits, res.hit_tokens)
-    row.update(cost.summarize(trace, s.costs, seconds, dram.nbytes, ssd.nbytes))
+    row.update(cost.summarize(trace, s.costs, seconds, res.hit_tokens, dram.nbytes,
+                              ssd.nbytes, span))
     row["elapsed_s"] = res.elapsed_s
     return row
 
@@ -163,6 +178,7 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
     drams = [dram_size(d, trace, cb) for d in s.dram]
     ssds = [ssd_size(x, trace, cb, s.segment_size) for x in s.ssd]
     nxt = next_use(trace.keys)
+    span, span_source = cost.span_s(trace, s.costs)
     bel_cache: dict[int, BeladyResult] = {}
 
     def bel(chunks: int) -> BeladyResult:
@@ -170,7 +186,8 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
             bel_cache[chunks] = belady(trace, chunks, nxt)
         return bel_cache[chunks]
 
-    rows = [_row(trace, s, d, x, replay(trace, _config(s, p, d, x), cb), bel(d.chunks))
+    rows = [_row(trace, s, d, x, replay(trace, _config(s, p, d, x), cb),
+                 bel(d.chunks + x.chunks), span)
             for d in drams for x in ssds for p in s.policies]
     belady_rows = []
     for d in drams:
@@ -179,7 +196,8 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
         belady_rows.append({"dram": d.label, "dram_chunks": d.chunks, "dram_bytes": d.nbytes,
                             **hit_figures(trace, b.hits, b.hit_tokens),
                             "resident_hit_rate": b.resident_hits / max(1, trace.references),
-                            **cost.summarize(trace, s.costs, seconds, d.nbytes, 0),
+                            **cost.summarize(trace, s.costs, seconds, b.hit_tokens,
+                                             d.nbytes, 0, span),
                             "elapsed_s": b.elapsed_s})
     default_policy = config_default(DramConfig, "eviction")
     ratios: dict[str, float] = {}
@@ -192,7 +210,7 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
         ratios[name] = got / best if best else float("nan")
         basis[name] = {"policy": default_policy, "dram_chunks": d.chunks,
                        "chunk_hit_rate": got, "belady_chunk_hit_rate": best}
-    base = cost.summarize(trace, s.costs, cost.no_cache_ttft(trace, s.costs), 0, 0)
+    base = cost.summarize(trace, s.costs, cost.no_cache_ttft(trace, s.costs), 0, 0, 0, span)
     cheapest = None
     if s.ttft_p99_s is not None:
         ok = [r for r in [{"policy": "none", "dram": "0", "ssd": "0", **base}, *rows]
@@ -203,6 +221,7 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
         "trace": {"name": trace.name, "requests": trace.requests,
                   "references": trace.references, "distinct_chunks": trace.distinct,
                   "block_tokens": trace.block_tokens, "duration_s": trace.duration_s,
+                  "partial_chunks_not_stored": trace.partial_chunks,
                   "prompt_tokens": int(trace.input_tokens.sum())},
         "model": s.model, "bytes_per_token": s.bytes_per_token, "chunk_bytes": cb,
         "settings": {"ssd_policy": s.ssd_policy, "segment_size": s.segment_size,
@@ -210,6 +229,10 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
                      "ssd_write": s.ssd_write, "admission": s.admission,
                      "default_policy": default_policy},
         "cost_model": asdict(s.costs),
+        "cost_preset": s.preset,
+        "cost_sources": s.cost_sources,
+        "cost_span_s": span,
+        "cost_span_source": span_source,
         "ratios": ratios,
         "ratio_basis": basis,
         "ratio_meaning": "the default DRAM policy's chunk hit rate over Belady's, DRAM only, "

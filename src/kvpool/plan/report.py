@@ -11,7 +11,7 @@ from rich.table import Table
 
 
 def _size(label: str, n: int) -> str:
-    return f"{label} ({n / (1 << 30):.2f} GiB)" if n else label
+    return f"{label} ({n / (1 << 30):,.1f} GiB)" if n else label
 
 
 def _s(x: float) -> str:
@@ -25,20 +25,26 @@ def print_report(result: dict[str, Any], console: Console) -> None:
                   f"chunk references, {t['distinct_chunks']:,} distinct chunks of "
                   f"{t['block_tokens']} tokens ({result['chunk_bytes']:,} bytes at "
                   f"{result['bytes_per_token']:,} bytes/token"
-                  + (f", {result['model']}" if result["model"] else "") + ")")
-    table = Table(title="replay per configuration (chunk hit rate = prefix chunks served)")
+                  + (f", {result['model']}" if result["model"] else "") + ")"
+                  + (f"; {t['partial_chunks_not_stored']:,} partial last chunks never stored "
+                     "(always prefilled)" if t.get("partial_chunks_not_stored") else ""))
+    table = Table(title="replay per configuration (chunk hit rate = prefix chunks served; "
+                        "req hit = mean share of a request's chunks served; vs Belady: over "
+                        "Belady at the same capacity, D = DRAM, D+S = DRAM + SSD; engines = "
+                        "prefill demand / trace span)")
     for col in ("policy", "DRAM", "SSD", "req hit", "chunk hit", "token hit",
-                "vs Belady", "SSD WA", "TTFT p50", "TTFT p99", "tok/s", "$/Mtok", "replay"):
+                "vs Belady", "SSD WA", "TTFT p50", "TTFT p99", "engines", "$/Mtok", "replay"):
         table.add_column(col, justify="left" if col in ("policy", "DRAM", "SSD") else "right")
     for r in result["rows"]:
         vs = r["vs_belady"]
+        basis = "D+S" if r.get("belady_basis") == "dram+ssd" else "D"
         table.add_row(r["policy"], _size(r["dram"], r["dram_bytes"]),
-                      _size(r["ssd"], r["ssd_bytes"]), f"{r['request_hit_rate']:.3f}",
+                      _size(r["ssd"], r["ssd_bytes"]), f"{r['request_hit_fraction']:.3f}",
                       f"{r['chunk_hit_rate']:.3f}", f"{r['token_hit_rate']:.3f}",
-                      "-" if vs is None else f"{vs:.2f}x",
+                      "-" if vs is None else f"{vs:.2f}x {basis}",
                       f"{r['ssd_write_amplification']:.3f}" if r["ssd_bytes"] else "-",
-                      _s(r["ttft_p50_s"]), _s(r["ttft_p99_s"]), f"{r['tokens_per_s']:,.0f}",
-                      f"{r['usd_per_mtok']:.3f}", f"{r['elapsed_s']:.2f} s")
+                      _s(r["ttft_p50_s"]), _s(r["ttft_p99_s"]), f"{r['engines']:.2f}",
+                      f"{r['usd_per_mtok']:.4f}", f"{r['elapsed_s']:.2f} s")
     console.print(table)
     bel = Table(title="Belady (offline optimum, DRAM only)")
     for col in ("DRAM", "chunks", "req hit", "chunk hit", "token hit", "resident hit",
@@ -46,14 +52,12 @@ def print_report(result: dict[str, Any], console: Console) -> None:
         bel.add_column(col, justify="left" if col == "DRAM" else "right")
     for b in result["belady"]:
         bel.add_row(_size(b["dram"], b["dram_bytes"]), f"{b['dram_chunks']:,}",
-                    f"{b['request_hit_rate']:.3f}",
+                    f"{b['request_hit_fraction']:.3f}",
                     f"{b['chunk_hit_rate']:.3f}", f"{b['token_hit_rate']:.3f}",
                     f"{b['resident_hit_rate']:.3f}", _s(b["ttft_p99_s"]),
-                    f"{b['usd_per_mtok']:.3f}")
+                    f"{b['usd_per_mtok']:.4f}")
     console.print(bel)
-    base = result["no_cache"]
-    console.print(f"no cache: TTFT p50 {_s(base['ttft_p50_s'])}, p99 {_s(base['ttft_p99_s'])}, "
-                  f"{base['usd_per_mtok']:.3f} $/Mtok")
+    print_costs(result, console)
     for name, value in result["ratios"].items():
         b = result["ratio_basis"][name]
         console.print(f"{name}: [bold]{value:.3f}[/] ({b['policy']} "
@@ -67,7 +71,21 @@ def print_report(result: dict[str, Any], console: Console) -> None:
         else:
             console.print(f"cheapest meeting TTFT p99 <= {_s(target)}: policy {best['policy']}, "
                           f"DRAM {best['dram']}, SSD {best['ssd']}: "
-                          f"{best['usd_per_mtok']:.3f} $/Mtok, p99 {_s(best['ttft_p99_s'])}")
+                          f"{best['usd_per_mtok']:.4f} $/Mtok, p99 {_s(best['ttft_p99_s'])}")
+
+
+def print_costs(result: dict[str, Any], console: Console) -> None:
+    """The no-cache baseline, and what the cost figures are: measured or assumed."""
+    base = result["no_cache"]
+    console.print(f"no cache: TTFT p50 {_s(base['ttft_p50_s'])}, p99 {_s(base['ttft_p99_s'])}, "
+                  f"{base['engines']:.2f} engines ({base['engines_whole']} whole), "
+                  f"{base['usd_per_mtok']:.4f} $/Mtok")
+    console.print(f"cost over {result['cost_span_s']:,.0f} s ({result['cost_span_source']}); "
+                  f"engines paid for the prefill demand (tokens not served x s/token), tiers "
+                  f"for the whole span; preset [bold]{result['cost_preset']}[/]:")
+    model = result["cost_model"]
+    for name, source in result["cost_sources"].items():
+        console.print(f"  {name} = {model[name]:g}: {source}")
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:

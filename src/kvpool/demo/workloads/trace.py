@@ -9,6 +9,7 @@ by its hash id, so equal ids give equal tokens.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,8 @@ def _parse_row(raw: str, line: int, where: str) -> _TraceRow:
                           obj["hash_ids"])
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise ValueError(f"{at}: timestamp must be a number, got {ts!r}")
+    if not math.isfinite(ts) or ts < 0:
+        raise ValueError(f"{at}: timestamp must be a finite number of ms >= 0, got {ts!r}")
     if not _is_int(inp) or inp < 1:
         raise ValueError(f"{at}: input_length must be an integer >= 1, got {inp!r}")
     if not _is_int(outp) or outp < 0:
