@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from kvpool.counters import Counters
 from kvpool.errors import PoolClosedError
@@ -66,18 +67,7 @@ class Mover:
                 if not held][:limit]
         if not todo:
             return None
-        with self._lock:
-            if self._closed:
-                return None
-            if self._pending >= self._max_pending:
-                self._counters.add(skipped)
-                return None
-            self._pending += 1
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-mover",
-                                                    initializer=lower_thread_priority,
-                                                    initargs=(self._nice,))
-            return self._executor.submit(self._job, ns, todo, counter, count_hits)
+        return self._queue(skipped, self._job, ns, todo, counter, count_hits)
 
     def submit_found(self, ns: Namespace, find: Callable[[], Sequence[bytes]], counter: str,
                      skipped: str) -> Future[int] | None:
@@ -87,6 +77,11 @@ class Mover:
         the caller, perhaps a storage node's event loop, never runs it. None if
         ``max_pending`` jobs are queued (counted as ``skipped``) or the mover is closed.
         A ``find`` that raises moves nothing (logged; PoolClosedError silently)."""
+        return self._queue(skipped, self._found_job, ns, find, counter)
+
+    def _queue(self, skipped: str, job: Callable[..., int], *args: Any) -> Future[int] | None:
+        """Submit ``job(*args)`` to the mover's thread (started on first use); None when the
+        mover is closed or ``max_pending`` jobs are queued (counted as ``skipped``)."""
         with self._lock:
             if self._closed:
                 return None
@@ -98,7 +93,7 @@ class Mover:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-mover",
                                                     initializer=lower_thread_priority,
                                                     initargs=(self._nice,))
-            return self._executor.submit(self._found_job, ns, find, counter)
+            return self._executor.submit(job, *args)
 
     def _found_job(self, ns: Namespace, find: Callable[[], Sequence[bytes]],
                    counter: str) -> int:
