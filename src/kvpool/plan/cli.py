@@ -11,7 +11,7 @@ from kvpool.config import parse_size
 from kvpool.plan import cost
 from kvpool.plan.planner import PlanSettings, plan
 from kvpool.plan.trace import SOURCE_BLOCK, read_trace
-from kvpool.policy import EVICTION_POLICIES, SEGMENT_POLICIES
+from kvpool.policy import ADMISSION_POLICIES, EVICTION_POLICIES, SEGMENT_POLICIES
 
 DEFAULT_DRAM = ("5%", "10%", "25%", "50%", "100%")
 DEFAULT_SSD = ("0", "100%")
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ssd.copy_forward_fraction (default %(default)s)")
     parser.add_argument("--ssd-write", choices=("through", "evict"), default=defaults.ssd_write,
                         help="pool.ssd_write (default %(default)s)")
-    parser.add_argument("--admission", choices=("always", "second_use"),
+    parser.add_argument("--admission", choices=ADMISSION_POLICIES,
                         default=defaults.admission,
                         help="ssd.admission, with --ssd-write evict (default %(default)s)")
     parser.add_argument("--storage-json", metavar="PATH", type=Path, default=None,

@@ -51,6 +51,7 @@ def print_report(result: dict[str, Any], console: Console) -> None:
                     f"{b['resident_hit_rate']:.3f}", _s(b["ttft_p99_s"]),
                     f"{b['usd_per_mtok']:.3f}")
     console.print(bel)
+    _print_ssd(result, console)
     base = result["no_cache"]
     console.print(f"no cache: TTFT p50 {_s(base['ttft_p50_s'])}, p99 {_s(base['ttft_p99_s'])}, "
                   f"{base['usd_per_mtok']:.3f} $/Mtok")
@@ -58,6 +59,10 @@ def print_report(result: dict[str, Any], console: Console) -> None:
         b = result["ratio_basis"][name]
         console.print(f"{name}: [bold]{value:.3f}[/] ({b['policy']} "
                       f"{b['chunk_hit_rate']:.3f} / Belady {b['belady_chunk_hit_rate']:.3f} at "
+                      f"{b['dram_chunks']:,} chunks)")
+    for name, b in result.get("lru_ratio_basis", {}).items():
+        console.print(f"{name}: [bold]{b['ratio']:.3f}[/] ({b['policy']} "
+                      f"{b['chunk_hit_rate']:.3f} / lru {b['lru_chunk_hit_rate']:.3f} at "
                       f"{b['dram_chunks']:,} chunks)")
     target = result["ttft_p99_target_s"]
     if target is not None:
@@ -68,6 +73,23 @@ def print_report(result: dict[str, Any], console: Console) -> None:
             console.print(f"cheapest meeting TTFT p99 <= {_s(target)}: policy {best['policy']}, "
                           f"DRAM {best['dram']}, SSD {best['ssd']}: "
                           f"{best['usd_per_mtok']:.3f} $/Mtok, p99 {_s(best['ttft_p99_s'])}")
+
+
+def _print_ssd(result: dict[str, Any], console: Console) -> None:
+    """Per configuration with an SSD: its hit rate and bytes written per byte it served."""
+    rows = [r for r in result["rows"] if r["ssd_bytes"]]
+    if not rows:
+        return
+    s = result["settings"]
+    ssd = Table(title=f"SSD wear (pool.ssd_write {s['ssd_write']}, ssd.admission "
+                      f"{s['admission']}): bytes written per byte later hit from the SSD")
+    for col in ("policy", "DRAM", "SSD", "SSD chunk hit", "chunk hit", "written/hit byte"):
+        ssd.add_column(col, justify="left" if col in ("policy", "DRAM", "SSD") else "right")
+    for r in rows:
+        w = r["ssd_written_per_hit_byte"]
+        ssd.add_row(r["policy"], r["dram"], r["ssd"], f"{r['ssd_chunk_hit_rate']:.3f}",
+                    f"{r['chunk_hit_rate']:.3f}", "-" if w is None else f"{w:.2f}")
+    console.print(ssd)
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:

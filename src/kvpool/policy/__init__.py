@@ -1,6 +1,13 @@
 """Policies decide; the tiers move bytes. Each policy is a small object chosen by config name."""
 
-from kvpool.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondUseAdmission
+from kvpool.policy.adaptive import AdaptivePrefixS3FIFOPolicy
+from kvpool.policy.admission import (
+    AdmissionPolicy,
+    AlwaysAdmit,
+    FrequencyAdmission,
+    HitAdmission,
+    SecondUseAdmission,
+)
 from kvpool.policy.base import EvictionPolicy
 from kvpool.policy.lru import LRUPolicy
 from kvpool.policy.prefix import PrefixS3FIFOPolicy
@@ -9,7 +16,10 @@ from kvpool.policy.segments import FifoSegments, SecondChanceSegments, SegmentPo
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "prefix": PrefixS3FIFOPolicy,
+    "adaptive": AdaptivePrefixS3FIFOPolicy,
 }
+#: ssd.admission names (see admission.py).
+ADMISSION_POLICIES = ("always", "second_use", "hit", "frequency")
 SEGMENT_POLICIES: dict[str, type[SegmentPolicy]] = {
     "fifo": FifoSegments,
     "second_chance": SecondChanceSegments,
@@ -31,7 +41,11 @@ def make_admission_policy(name: str, window: int = 65536) -> AdmissionPolicy:
         return AlwaysAdmit()
     if name == "second_use":
         return SecondUseAdmission(window)
-    raise ValueError(f"unknown admission policy {name!r}; known: ['always', 'second_use']")
+    if name == "hit":
+        return HitAdmission()
+    if name == "frequency":
+        return FrequencyAdmission()
+    raise ValueError(f"unknown admission policy {name!r}; known: {list(ADMISSION_POLICIES)}")
 
 
 def make_segment_policy(name: str) -> SegmentPolicy:
@@ -44,7 +58,8 @@ def make_segment_policy(name: str) -> SegmentPolicy:
 
 
 __all__ = [
-    "AdmissionPolicy", "AlwaysAdmit", "EvictionPolicy", "FifoSegments", "LRUPolicy",
+    "ADMISSION_POLICIES", "AdaptivePrefixS3FIFOPolicy", "AdmissionPolicy", "AlwaysAdmit",
+    "EvictionPolicy", "FifoSegments", "FrequencyAdmission", "HitAdmission", "LRUPolicy",
     "PrefixS3FIFOPolicy", "S3FIFOPolicy", "SecondChanceSegments", "SecondUseAdmission",
     "SegmentPolicy",
     "make_admission_policy", "make_eviction_policy", "make_segment_policy",
