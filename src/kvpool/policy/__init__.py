@@ -8,6 +8,7 @@ from kvpool.policy.admission import (
     HitAdmission,
     SecondUseAdmission,
 )
+from kvpool.policy.arc import ARCPolicy
 from kvpool.policy.base import EvictionPolicy
 from kvpool.policy.lru import LRUPolicy
 from kvpool.policy.prefix import PrefixS3FIFOPolicy
@@ -16,7 +17,7 @@ from kvpool.policy.segments import FifoSegments, SecondChanceSegments, SegmentPo
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "prefix": PrefixS3FIFOPolicy,
-    "adaptive": AdaptivePrefixS3FIFOPolicy,
+    "adaptive": AdaptivePrefixS3FIFOPolicy, "arc": ARCPolicy,
 }
 #: ssd.admission names (see admission.py).
 ADMISSION_POLICIES = ("always", "second_use", "hit", "frequency")
@@ -58,9 +59,9 @@ def make_segment_policy(name: str) -> SegmentPolicy:
 
 
 __all__ = [
-    "ADMISSION_POLICIES", "AdaptivePrefixS3FIFOPolicy", "AdmissionPolicy", "AlwaysAdmit",
-    "EvictionPolicy", "FifoSegments", "FrequencyAdmission", "HitAdmission", "LRUPolicy",
-    "PrefixS3FIFOPolicy", "S3FIFOPolicy", "SecondChanceSegments", "SecondUseAdmission",
-    "SegmentPolicy",
+    "ADMISSION_POLICIES", "ARCPolicy", "AdaptivePrefixS3FIFOPolicy", "AdmissionPolicy",
+    "AlwaysAdmit", "EvictionPolicy", "FifoSegments", "FrequencyAdmission", "HitAdmission",
+    "LRUPolicy", "PrefixS3FIFOPolicy", "S3FIFOPolicy", "SecondChanceSegments",
+    "SecondUseAdmission", "SegmentPolicy",
     "make_admission_policy", "make_eviction_policy", "make_segment_policy",
 ]
