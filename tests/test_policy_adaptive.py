@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvtest import small_config
 from plan_traces import prefix_tree_requests, write_trace
 from test_policies import assert_tracks, evict_pinned_sevens
 
+from kvpool import KVPool
 from kvpool.cli import main
 from kvpool.config import DramConfig, SsdConfig
 from kvpool.plan.replay import TierConfig, replay
@@ -23,6 +25,7 @@ from kvpool.policy import (
     HitAdmission,
     make_admission_policy,
     make_eviction_policy,
+    resolve_eviction_policy,
 )
 from kvpool.policy.sketch import MAX_COUNT, FrequencySketch
 
@@ -44,11 +47,21 @@ class Tier:
         self.policy.insert(key)
 
 
-def test_default_dram_policy_is_arc() -> None:
-    assert DramConfig().eviction == "arc"
+def test_default_dram_policy_is_auto_arc_alone_prefix_over_a_tier() -> None:
+    assert DramConfig().eviction == "auto"
+    assert resolve_eviction_policy("auto", has_lower_tier=False) == "arc"
+    assert resolve_eviction_policy("auto", has_lower_tier=True) == "prefix"
+    assert resolve_eviction_policy("lru", has_lower_tier=True) == "lru"
     assert isinstance(make_eviction_policy("arc"), ARCPolicy)
     assert isinstance(make_eviction_policy("adaptive"), AdaptivePrefixS3FIFOPolicy)
     assert SsdConfig().admission == "always"
+
+
+@pytest.mark.parametrize(("ssd", "expected"), [(False, "arc"), (True, "prefix")])
+def test_the_pool_resolves_auto_by_its_tiers(tmp_path: Path, ssd: bool, expected: str) -> None:
+    cfg = small_config(tmp_path, ssd={"enabled": ssd})
+    with KVPool(cfg, remote=False) as pool:
+        assert pool.stats()["dram"]["eviction"] == expected
 
 
 def test_arc_moves_its_target_on_ghost_hits() -> None:

@@ -23,6 +23,7 @@ from kvpool.plan.belady import BeladyResult, belady, next_use
 from kvpool.plan.replay import ReplayResult, SsdWrite, TierConfig, replay
 from kvpool.plan.ssd import records_per_segment
 from kvpool.plan.trace import Trace
+from kvpool.policy import resolve_eviction_policy
 from kvpool.record import round_up
 
 #: The DRAM capacities (fractions of the distinct chunks) the JSON's ratios are taken at.
@@ -199,7 +200,8 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
                             "resident_hit_rate": b.resident_hits / max(1, trace.references),
                             **cost.summarize(trace, s.costs, seconds, d.nbytes, 0),
                             "elapsed_s": b.elapsed_s})
-    default_policy = config_default(DramConfig, "eviction")
+    # DRAM-only ratios: dram.eviction auto is the policy it stands for with nothing below.
+    default_policy = resolve_eviction_policy(config_default(DramConfig, "eviction"), False)
     ratios: dict[str, float] = {}
     basis: dict[str, Any] = {}
     for name, frac in RATIO_POINTS.items():

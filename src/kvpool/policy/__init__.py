@@ -19,6 +19,21 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "prefix": PrefixS3FIFOPolicy,
     "adaptive": AdaptivePrefixS3FIFOPolicy, "arc": ARCPolicy,
 }
+#: What ``dram.eviction: auto`` stands for, by whether a tier lies below DRAM (an SSD or the
+#: cluster): the best measured by ``kvpool plan`` on the Mooncake traces (docs/plan.md). With
+#: nothing below, ARC's recency side keeps first reuses; with a tier below that already holds
+#: the recent puts, prefix S3-FIFO's frequency-protected main queue complements it.
+AUTO_EVICTION = {False: "arc", True: "prefix"}
+#: Every dram.eviction name: the policies, and "auto".
+EVICTION_NAMES = ("auto", *EVICTION_POLICIES)
+
+
+def resolve_eviction_policy(name: str, has_lower_tier: bool) -> str:
+    """The policy ``name`` stands for: ``auto`` per ``AUTO_EVICTION``, any other name itself
+    (an unknown one is refused later, by ``make_eviction_policy``)."""
+    return AUTO_EVICTION[has_lower_tier] if name == "auto" else name
+
+
 #: ssd.admission names (see admission.py).
 ADMISSION_POLICIES = ("always", "second_use", "hit", "frequency")
 SEGMENT_POLICIES: dict[str, type[SegmentPolicy]] = {
@@ -59,9 +74,25 @@ def make_segment_policy(name: str) -> SegmentPolicy:
 
 
 __all__ = [
-    "ADMISSION_POLICIES", "ARCPolicy", "AdaptivePrefixS3FIFOPolicy", "AdmissionPolicy",
-    "AlwaysAdmit", "EvictionPolicy", "FifoSegments", "FrequencyAdmission", "HitAdmission",
-    "LRUPolicy", "PrefixS3FIFOPolicy", "S3FIFOPolicy", "SecondChanceSegments",
-    "SecondUseAdmission", "SegmentPolicy",
-    "make_admission_policy", "make_eviction_policy", "make_segment_policy",
+    "ADMISSION_POLICIES",
+    "AUTO_EVICTION",
+    "EVICTION_NAMES",
+    "ARCPolicy",
+    "AdaptivePrefixS3FIFOPolicy",
+    "AdmissionPolicy",
+    "AlwaysAdmit",
+    "EvictionPolicy",
+    "FifoSegments",
+    "FrequencyAdmission",
+    "HitAdmission",
+    "LRUPolicy",
+    "PrefixS3FIFOPolicy",
+    "S3FIFOPolicy",
+    "SecondChanceSegments",
+    "SecondUseAdmission",
+    "SegmentPolicy",
+    "make_admission_policy",
+    "make_eviction_policy",
+    "make_segment_policy",
+    "resolve_eviction_policy",
 ]
