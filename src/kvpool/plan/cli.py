@@ -11,7 +11,7 @@ from kvpool.config import parse_size
 from kvpool.plan import cost
 from kvpool.plan.planner import PlanSettings, plan
 from kvpool.plan.trace import SOURCE_BLOCK, read_trace
-from kvpool.policy import ADMISSION_POLICIES, EVICTION_POLICIES, SEGMENT_POLICIES
+from kvpool.policy import ADMISSION_POLICIES, EVICTION_NAMES, EVICTION_POLICIES, SEGMENT_POLICIES
 
 DEFAULT_DRAM = ("5%", "10%", "25%", "50%", "100%")
 DEFAULT_SSD = ("0", "100%")
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd", metavar="SIZE", nargs="+", default=list(DEFAULT_SSD),
                         help="SSD sizes, as --dram; 0 = no SSD (default "
                              f"{_escaped(DEFAULT_SSD)})")
-    parser.add_argument("--policy", metavar="NAME", nargs="+", choices=sorted(EVICTION_POLICIES),
+    parser.add_argument("--policy", metavar="NAME", nargs="+", choices=EVICTION_NAMES,
                         default=sorted(EVICTION_POLICIES),
                         help=f"DRAM eviction policies (default all: "
                              f"{', '.join(sorted(EVICTION_POLICIES))})")
