@@ -233,7 +233,7 @@ def test_plan_json_has_the_lru_and_belady_ratios(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", "--trace", str(trace), "--bytes-per-token", "8", "--dram", "10%",
                  "--ssd", "0", "40%", "--ssd-segment", "64KiB", "--ssd-write", "evict",
-                 "--admission", "frequency", "--policy", "lru", "--json", str(out)]) == 0
+                 "--admission", "frequency", "--policy", "lru", "auto", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     for name in ("hit_rate_vs_belady_10pct", "hit_rate_vs_belady_25pct",
                  "hit_rate_vs_lru_10pct", "hit_rate_vs_lru_25pct"):
@@ -242,6 +242,13 @@ def test_plan_json_has_the_lru_and_belady_ratios(tmp_path: Path) -> None:
     assert basis["policy"] == "arc"
     assert data["hit_rate_vs_lru_10pct"] == pytest.approx(
         basis["chunk_hit_rate"] / basis["lru_chunk_hit_rate"])
+    t = read_trace(trace)
+    auto = {r["ssd"]: r for r in data["rows"] if r["policy"] == "auto"}
+    for ssd_label, stands_for in (("0", "arc"), ("40%", "prefix")):  # as the pool resolves it
+        row = auto[ssd_label]
+        cfg = TierConfig(stands_for, row["dram_chunks"], row["ssd_bytes"] // (64 << 10),
+                         segment_size=64 << 10, ssd_write="evict", admission="frequency")
+        assert row["chunk_hit_rate"] == replay(t, cfg, 512 * 8).hits.sum() / t.references
     ssd = next(r for r in data["rows"] if r["ssd"] == "40%")
     assert ssd["ssd_written_per_hit_byte"] > 0 and ssd["ssd_chunk_hit_rate"] > 0
     assert next(r for r in data["rows"] if r["ssd"] == "0")["ssd_written_per_hit_byte"] is None
