@@ -64,7 +64,7 @@ def test_planner_matches_a_dram_only_pool(tmp_path: Path, policy: str) -> None:
     assert expected.hits.sum() > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "adaptive", "arc"])
 def test_planner_matches_a_pool_on_the_shared_trace(tmp_path: Path, policy: str) -> None:
     if not REAL_TRACE.exists():
         pytest.skip(f"{REAL_TRACE} is absent (shared/traces is not mounted here)")

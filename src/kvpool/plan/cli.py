@@ -12,7 +12,7 @@ from kvpool.config import parse_size
 from kvpool.plan import cost
 from kvpool.plan.planner import PlanSettings, plan
 from kvpool.plan.trace import SOURCE_BLOCK, read_trace
-from kvpool.policy import EVICTION_POLICIES, SEGMENT_POLICIES
+from kvpool.policy import ADMISSION_POLICIES, EVICTION_NAMES, EVICTION_POLICIES, SEGMENT_POLICIES
 
 DEFAULT_DRAM = ("5%", "10%", "25%", "50%", "100%")
 DEFAULT_SSD = ("0", "100%")
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd", metavar="SIZE", nargs="+", default=list(DEFAULT_SSD),
                         help="SSD sizes, as --dram; 0 = no SSD (default "
                              f"{_escaped(DEFAULT_SSD)})")
-    parser.add_argument("--policy", metavar="NAME", nargs="+", choices=sorted(EVICTION_POLICIES),
+    parser.add_argument("--policy", metavar="NAME", nargs="+", choices=EVICTION_NAMES,
                         default=sorted(EVICTION_POLICIES),
                         help=f"DRAM eviction policies (default all: "
                              f"{', '.join(sorted(EVICTION_POLICIES))})")
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ssd.copy_forward_fraction (default %(default)s)")
     parser.add_argument("--ssd-write", choices=("through", "evict"), default=defaults.ssd_write,
                         help="pool.ssd_write (default %(default)s)")
-    parser.add_argument("--admission", choices=("always", "second_use"),
+    parser.add_argument("--admission", choices=ADMISSION_POLICIES,
                         default=defaults.admission,
                         help="ssd.admission, with --ssd-write evict (default %(default)s)")
     parser.add_argument("--storage-json", metavar="PATH", type=Path, default=None,

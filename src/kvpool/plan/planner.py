@@ -23,10 +23,13 @@ from kvpool.plan.belady import BeladyResult, belady, next_use
 from kvpool.plan.replay import ReplayResult, SsdWrite, TierConfig, replay
 from kvpool.plan.ssd import records_per_segment
 from kvpool.plan.trace import Trace
+from kvpool.policy import resolve_eviction_policy
 from kvpool.record import round_up
 
 #: The DRAM capacities (fractions of the distinct chunks) the JSON's ratios are taken at.
 RATIO_POINTS = {"hit_rate_vs_belady_10pct": 0.10, "hit_rate_vs_belady_25pct": 0.25}
+#: The same points against LRU (the default policy's chunk hit rate over LRU's, DRAM only).
+LRU_RATIO_POINTS = {"hit_rate_vs_lru_10pct": 0.10, "hit_rate_vs_lru_25pct": 0.25}
 
 
 def config_default(section: type[DramConfig | SsdConfig | PoolConfig], name: str) -> Any:
@@ -157,11 +160,27 @@ def _row(trace: Trace, s: PlanSettings, dram: Size, ssd: Size, res: ReplayResult
                ssd_copy_forward_bytes=forwarded * cb,
                ssd_write_amplification=forwarded / writes if writes else 0.0,
                ssd_dropped_chunks=c.get("ssd_dropped", 0))
+    # Wear per use: records written (puts, demotions, copy-forward) per chunk later served.
+    reads = c.get("ssd_reads", 0)
+    row["ssd_written_per_hit_byte"] = (writes + forwarded) / reads if reads else None
     seconds = cost.ttft(trace, s.costs, cb, res.dram_hits, res.ssd_hits, res.hit_tokens)
     row.update(cost.summarize(trace, s.costs, seconds, res.hit_tokens, dram.nbytes,
                               ssd.nbytes, span))
     row["elapsed_s"] = res.elapsed_s
     return row
+
+
+def default_vs_lru(trace: Trace, policy: str, chunk_bytes: int) -> dict[str, dict[str, Any]]:
+    """``policy``'s chunk hit rate over LRU's, DRAM only, at each of ``LRU_RATIO_POINTS``
+    (nan where LRU hits nothing)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, frac in LRU_RATIO_POINTS.items():
+        chunks = int(frac * trace.distinct)
+        got, lru = (float(replay(trace, TierConfig(p, chunks), chunk_bytes).hits.sum())
+                    / max(1, trace.references) for p in (policy, "lru"))
+        out[name] = {"ratio": got / lru if lru else float("nan"), "policy": policy,
+                     "dram_chunks": chunks, "chunk_hit_rate": got, "lru_chunk_hit_rate": lru}
+    return out
 
 
 def _config(s: PlanSettings, policy: str, dram: Size, ssd: Size) -> TierConfig:
@@ -199,7 +218,8 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
                             **cost.summarize(trace, s.costs, seconds, b.hit_tokens,
                                              d.nbytes, 0, span),
                             "elapsed_s": b.elapsed_s})
-    default_policy = config_default(DramConfig, "eviction")
+    # DRAM-only ratios: dram.eviction auto is the policy it stands for with nothing below.
+    default_policy = resolve_eviction_policy(config_default(DramConfig, "eviction"), False)
     ratios: dict[str, float] = {}
     basis: dict[str, Any] = {}
     for name, frac in RATIO_POINTS.items():
@@ -210,6 +230,8 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
         ratios[name] = got / best if best else float("nan")
         basis[name] = {"policy": default_policy, "dram_chunks": d.chunks,
                        "chunk_hit_rate": got, "belady_chunk_hit_rate": best}
+    lru_ratios = default_vs_lru(trace, default_policy, cb)
+    json_ratios = {**ratios, **{k: v["ratio"] for k, v in lru_ratios.items()}}
     base = cost.summarize(trace, s.costs, cost.no_cache_ttft(trace, s.costs), 0, 0, 0, span)
     cheapest = None
     if s.ttft_p99_s is not None:
@@ -235,6 +257,8 @@ def plan(trace: Trace, s: PlanSettings) -> dict[str, Any]:
         "cost_span_source": span_source,
         "ratios": ratios,
         "ratio_basis": basis,
+        **json_ratios,
+        "lru_ratio_basis": lru_ratios,
         "ratio_meaning": "the default DRAM policy's chunk hit rate over Belady's, DRAM only, "
                          "at a capacity of that fraction of the trace's distinct chunks",
         "no_cache": base,

@@ -16,7 +16,7 @@ import numpy as np
 from kvpool.plan.dram import DramModel
 from kvpool.plan.ssd import SsdModel
 from kvpool.plan.trace import Trace
-from kvpool.policy import AdmissionPolicy, make_admission_policy
+from kvpool.policy import AdmissionPolicy, make_admission_policy, resolve_eviction_policy
 
 SsdWrite = Literal["through", "evict"]
 
@@ -128,7 +128,9 @@ def replay(trace: Trace, cfg: TierConfig, chunk_bytes: int) -> ReplayResult:
     ssd = SsdModel(cfg.ssd_policy, cfg.ssd_segments, cfg.segment_size, chunk_bytes,
                    cfg.copy_forward_fraction) if cfg.ssd_segments else None
     demoter = _Demoter(make_admission_policy(cfg.admission, cfg.second_use_window), ssd)
-    dram = DramModel(cfg.policy, cfg.dram_chunks, demoter)
+    # dram.eviction: auto resolves as tiers/stack.py resolves it: by whether an SSD is below.
+    dram = DramModel(resolve_eviction_policy(cfg.policy, ssd is not None), cfg.dram_chunks,
+                     demoter)
     # As tiers/stack.py builds it: with no DRAM every put goes to the SSD, whatever ssd_write.
     through = cfg.ssd_write == "through" or cfg.dram_chunks == 0
     promote = cfg.promote_on_hit and cfg.dram_chunks > 0

@@ -57,11 +57,16 @@ def print_report(result: dict[str, Any], console: Console) -> None:
                     f"{b['resident_hit_rate']:.3f}", _s(b["ttft_p99_s"]),
                     f"{b['usd_per_mtok']:.4f}")
     console.print(bel)
+    _print_ssd(result, console)
     print_costs(result, console)
     for name, value in result["ratios"].items():
         b = result["ratio_basis"][name]
         console.print(f"{name}: [bold]{value:.3f}[/] ({b['policy']} "
                       f"{b['chunk_hit_rate']:.3f} / Belady {b['belady_chunk_hit_rate']:.3f} at "
+                      f"{b['dram_chunks']:,} chunks)")
+    for name, b in result.get("lru_ratio_basis", {}).items():
+        console.print(f"{name}: [bold]{b['ratio']:.3f}[/] ({b['policy']} "
+                      f"{b['chunk_hit_rate']:.3f} / lru {b['lru_chunk_hit_rate']:.3f} at "
                       f"{b['dram_chunks']:,} chunks)")
     target = result["ttft_p99_target_s"]
     if target is not None:
@@ -86,6 +91,23 @@ def print_costs(result: dict[str, Any], console: Console) -> None:
     model = result["cost_model"]
     for name, source in result["cost_sources"].items():
         console.print(f"  {name} = {model[name]:g}: {source}")
+
+
+def _print_ssd(result: dict[str, Any], console: Console) -> None:
+    """Per configuration with an SSD: its hit rate and bytes written per byte it served."""
+    rows = [r for r in result["rows"] if r["ssd_bytes"]]
+    if not rows:
+        return
+    s = result["settings"]
+    ssd = Table(title=f"SSD wear (pool.ssd_write {s['ssd_write']}, ssd.admission "
+                      f"{s['admission']}): bytes written per byte later hit from the SSD")
+    for col in ("policy", "DRAM", "SSD", "SSD chunk hit", "chunk hit", "written/hit byte"):
+        ssd.add_column(col, justify="left" if col in ("policy", "DRAM", "SSD") else "right")
+    for r in rows:
+        w = r["ssd_written_per_hit_byte"]
+        ssd.add_row(r["policy"], r["dram"], r["ssd"], f"{r['ssd_chunk_hit_rate']:.3f}",
+                    f"{r['chunk_hit_rate']:.3f}", "-" if w is None else f"{w:.2f}")
+    console.print(ssd)
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:

@@ -23,7 +23,7 @@ from kvpool.config import Config
 from kvpool.counters import Counters
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
-from kvpool.policy import AdmissionPolicy, make_admission_policy
+from kvpool.policy import AdmissionPolicy, make_admission_policy, resolve_eviction_policy
 from kvpool.ssd.engine import SsdEngine
 from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramTier
@@ -261,7 +261,8 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
             if ssd_staging is not None:  # the queue's writes are what roll the SSD's log
                 ssd_staging.after_batch = stack.write_back_dropped
             stack.demoter = demoter
-            stack.front = DramTier(d.capacity, d.slab_size, d.eviction, d.shm_path,
+            eviction = resolve_eviction_policy(d.eviction, has_lower_tier=bool(stack.tiers))
+            stack.front = DramTier(d.capacity, d.slab_size, eviction, d.shm_path,
                                    demote=demoter, put_wait_s=d.put_wait_s,
                                    prefault=d.prefault)
             stack.tiers.insert(0, stack.front)
