@@ -133,6 +133,8 @@ LOG_EVENTS_SECTION = [
     "`soft`, `hard`; `errno`, `held_back`; `failures` |",
     "| `start_failed` | error | kvpool.serve | a setting to fix (exit 2) or an OS failure "
     "(exit 1): one line, in the log format (text: the bare `kvpool serve: ...` line) |",
+    "| `no_uvloop` | warning | kvpool.serve | uvloop is not installed (the `[server]` extra): "
+    "the node serves on asyncio's default loop |",
     "| `metrics_listening` | info | kvpool.metrics.http | `port` |",
     "| `ssd_recovered` | info | kvpool.ssd | `records`, `segments`: the SSD log "
     "read at open |",

@@ -541,9 +541,12 @@ def run(config: Config, reload_config: Callable[[], Config] | None = None) -> in
             freeze_startup_heap()
         try:
             import uvloop
-            uvloop.run(node.serve())
-        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        except ImportError:  # the [server] extra was not installed
+            log.warning("kvpool serve: uvloop is not installed (pip install 'kvpool[server]'); "
+                        "serving on asyncio's default event loop", extra={"event": "no_uvloop"})
             asyncio.run(node.serve())
+        else:
+            uvloop.run(node.serve())
     except StopSignal as stop:  # before the loop took the signals: nothing served yet
         log.info("kvpool serve: %s during start-up; stopped before serving anything", stop.name,
                  extra={"event": "shutdown", "cause": stop.name, "phase": "start-up"})
