@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from kvtest import wait_for
+from node_process import node_config
 
 import kvpool
 
@@ -197,6 +199,35 @@ server: {{host: 127.0.0.1, port: 0, shutdown_timeout_s: 5}}
         err = proc.stderr.read() if proc.stderr else ""
         assert "SIGTERM" in err, (lines, err)  # the graceful stop's shutdown line
         assert "no_uvloop" not in err and "uvloop is not installed" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_without_uvloop_says_so_and_serves(tmp_path: Path) -> None:
+    """A node installed without the ``[server]`` extra: one ``no_uvloop`` warning, then it
+    serves on asyncio's loop and stops cleanly (no silent fallback, no crash)."""
+    shadow = tmp_path / "shadow" / "uvloop"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('uvloop hidden by the test')\n")
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump(node_config(tmp_path)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(shadow.parent), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "serve", "--config",
+                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: any("listening on" in line for line in lines)
+                 or proc.poll() is not None, 60, "the listening line")
+        assert proc.poll() is None, lines
+        assert any("uvloop is not installed" in line for line in lines), lines
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, lines
     finally:
         if proc.poll() is None:
             proc.kill()
