@@ -1,8 +1,8 @@
 """Shared fixtures (helpers live in kvtest.py), and the marks that split the suite.
 
 A test that needs something outside ``.venv`` carries one mark per need (``etcd``, ``redis``,
-``vllm``, ``sglang``, ``model``, ``prometheus``) and, added here, ``external``; ``make unit`` runs
-``-m "not external"``.
+``vllm``, ``sglang``, ``model``, ``prometheus``, ``kubectl``) and, added here, ``external``;
+``make unit`` runs ``-m "not external"``.
 The needs are marked here from the fixtures a test uses (its whole fixture closure), so a new
 test on those fixtures is classified without a mark of its own; a test that reaches a service
 without a fixture carries the mark itself (``@pytest.mark.redis``). Such a test fails, never
@@ -31,7 +31,7 @@ NEEDS_BY_FIXTURE = {
     "smollm2_cache": "model",  # converts the real SmolLM2 GGUF
     "netlab": "netns",  # root and iproute2 (tests/cluster/test_partition.py)
 }
-EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus", "netns")
+EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus", "netns", "kubectl")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these marks
