@@ -13,8 +13,10 @@ tmp dir), the etcd endpoint, and the sizes (64 MiB tiers instead of GiBs).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -37,6 +39,7 @@ from kvtest import byte_namespace, payload_for, wait_for
 
 from kvpool.cluster.etcd_membership import EtcdMembership
 from kvpool.config import ClusterConfig, load_config
+from kvpool.integrations.vllm.settings import parse_settings
 from kvpool.net.client import ClusterClient
 
 pytestmark = pytest.mark.kubectl
@@ -152,8 +155,22 @@ class Pod:
     ports: dict[str, int]  # container port name -> local port
     grace_s: float
     log: Path
+    config_path: Path
     proc: subprocess.Popen[bytes] | None = None
     probes: dict[str, str] = field(default_factory=dict)  # probe kind -> path
+    hooks: dict[str, str] = field(default_factory=dict)  # postStart / preStop -> sh -c text
+
+    def run_hook(self, kind: str) -> subprocess.CompletedProcess[str]:
+        """The lifecycle hook's ``sh -c`` command, its ``kvpool`` run from these sources."""
+        words = [self.env.get(w[1:], w) if w.startswith("$") else w
+                 for w in shlex.split(self.hooks[kind])]
+        assert words[0] == "kvpool"
+        words = [str(self.config_path) if w == "/etc/kvpool/kvpool.yaml" else w
+                 for w in words[1:]]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+        env.update({k: v for k, v in self.env.items() if k != "SHM_FILE"})
+        return subprocess.run([sys.executable, "-m", "kvpool.cli", *words], env=env,
+                              capture_output=True, text=True, timeout=120)
 
     def url(self, port_name: str, path: str) -> str:
         return f"http://127.0.0.1:{self.ports[port_name]}{path}"
@@ -182,8 +199,9 @@ def resolve_env(objs: list[dict[str, Any]], container: dict[str, Any],
         env[name] = value
     assert yaml.safe_load(env["KVPOOL_CLUSTER__ETCD"])  # a YAML list of endpoints
     env["KVPOOL_CLUSTER__ETCD"] = f'["{etcd}"]'
-    assert env["KVPOOL_SERVER__ADVERTISE_HOST"]
-    env["KVPOOL_SERVER__ADVERTISE_HOST"] = "127.0.0.1"
+    if "KVPOOL_SERVER__ADVERTISE_HOST" in env:
+        assert env["KVPOOL_SERVER__ADVERTISE_HOST"]
+        env["KVPOOL_SERVER__ADVERTISE_HOST"] = "127.0.0.1"
     return env
 
 
@@ -239,8 +257,14 @@ def make_pod(objs: list[dict[str, Any]], work: dict[str, Any], name: str,
               ("readinessProbe", "livenessProbe")}
     for kind in ("readinessProbe", "livenessProbe"):
         assert container[kind]["httpGet"]["port"] in ports
+    hooks = {}
+    for kind, hook in container.get("lifecycle", {}).items():
+        command = hook["exec"]["command"]
+        assert command[:2] == ["sh", "-c"]
+        hooks[kind] = command[2]
     pod = Pod(name, [sys.executable, "-m", "kvpool.cli", *args], env, ports,
-              float(spec["terminationGracePeriodSeconds"]), base / "pod.log", probes=probes)
+              float(spec["terminationGracePeriodSeconds"]), base / "pod.log",
+              conf_dir / "kvpool.yaml", probes=probes, hooks=hooks)
     pod.env["SHM_FILE"] = shm
     return pod
 
@@ -294,7 +318,7 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
         return http_status(pod.url("metrics", pod.probes["readinessProbe"])) == 200
 
     for pod in pods:
-        wait_for(lambda p=pod: ready(p), 40, f"{pod.name}'s /readyz")  # type: ignore[misc]
+        wait_for(lambda p=pod: ready(p), 40, f"{pod.name}'s /readyz")
         assert http_status(pod.url("metrics", pod.probes["livenessProbe"])) == 200
     watcher = EtcdMembership([etcd_server.endpoint], "default")
     wait_for(lambda: {n.node_id for n in watcher.live_nodes()} == {"kvpool-0", "kvpool-1",
@@ -313,6 +337,20 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
         assert client.get_many_into(ns, keys, outs) == [True] * 24
         for key, out in zip(keys, outs, strict=True):
             assert np.array_equal(out, payload_for(key, CHUNK))
+        # The StatefulSet's hooks (components/drain-on-stop): postStart undrains, preStop
+        # drains and waits until the node's chunks are copied away; reads still hit.
+        node0, node1 = pods[0], pods[1]
+        assert set(node1.hooks) == {"postStart", "preStop"}
+        done = node0.run_hook("postStart")
+        assert done.returncode == 0, done.stderr
+        done = node1.run_hook("preStop")
+        assert done.returncode == 0, done.stderr
+        assert http_status(node1.url("metrics", node1.probes["readinessProbe"])) == 503
+        outs = [np.zeros(CHUNK, np.uint8) for _ in keys]
+        assert client.get_many_into(ns, keys, outs) == [True] * 24
+        done = node1.run_hook("postStart")
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: ready(node1), 15, "the undrained node's /readyz")
     finally:
         client.close()
     # SIGTERM (what the kubelet sends) stops each within its terminationGracePeriodSeconds.
@@ -324,3 +362,28 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
         started = time.monotonic()
         assert pod.proc.wait(pod.grace_s) == 0, pod.log.read_text()[-3000:]
         assert time.monotonic() - started < pod.grace_s
+
+
+def test_vllm_example_connector_config_is_valid(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM Deployment's --kv-transfer-config: the connector's extra config and the kvpool
+    config file it names (from the ConfigMap, with the container's environment) validate."""
+    objs = render("overlays/vllm-example")
+    container = find(objs, "Deployment", "vllm")["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_module_path"] == "kvpool.integrations.vllm"
+    extra = transfer["kv_connector_extra_config"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "kvpool-config")
+    assert extra["config_path"].startswith(mount["mountPath"] + "/")
+    cm = find(objs, "ConfigMap", "vllm-kvpool-config")
+    local = tmp_path / "engine.yaml"
+    local.write_text(cm["data"][Path(extra["config_path"]).name])
+    for name in [k for k in os.environ if k.startswith("KVPOOL_")]:
+        monkeypatch.delenv(name)
+    for name, value in resolve_env(objs, container, {}, "http://127.0.0.1:1").items():
+        monkeypatch.setenv(name, value)
+    settings = parse_settings({**extra, "config_path": str(local)}, block_size=16)
+    config = settings.pool_config()
+    assert config.cluster.etcd == ["http://127.0.0.1:1"]
+    assert config.cluster.token
