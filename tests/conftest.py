@@ -1,7 +1,8 @@
 """Shared fixtures (helpers live in kvtest.py), and the marks that split the suite.
 
 A test that needs something outside ``.venv`` carries one mark per need (``etcd``, ``redis``,
-``vllm``, ``sglang``, ``model``, ``prometheus``, ``pypi``) and, added here, ``external``;
+``vllm``, ``sglang``, ``model``, ``prometheus``, ``netns``, ``pypi``, ``kubectl``) and, added
+here, ``external``;
 ``make unit`` runs ``-m "not external"``.
 The needs are marked here from the fixtures a test uses (its whole fixture closure), so a new
 test on those fixtures is classified without a mark of its own; a test that reaches a service
@@ -32,7 +33,8 @@ NEEDS_BY_FIXTURE = {
     "netlab": "netns",  # root and iproute2 (tests/cluster/test_partition.py)
     "installed_wheel": "pypi",  # pip installs the wheel's dependencies (test_packaging.py)
 }
-EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus", "netns", "pypi")
+EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus", "netns", "pypi",
+                  "kubectl")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these marks
