@@ -1,0 +1,182 @@
+"""deploy/container/Containerfile, linted without building it: a small parser of its
+instructions, then the checks that keep it in step with the CLI, the default config, the
+Kubernetes manifests and the repository (a flag, a port or a COPY source that drifted fails
+here). No network, no podman; the build itself is documented in docs/deploy.md."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTAINERFILE = ROOT / "deploy" / "container" / "Containerfile"
+BUILD_TOOLS = ("gcc", "g++", "clang", "build-essential", "python3-dev", "libc6-dev", "make",
+               "cython", "setuptools", "wheel", "build")
+
+
+@dataclass
+class Instruction:
+    """One instruction: its keyword (upper case), its flags (``--from=build``) and the rest."""
+
+    keyword: str
+    flags: dict[str, str]
+    args: str
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+
+def parse(text: str) -> tuple[list[Instruction], list[Stage]]:
+    """Instructions before the first FROM, and the stages. Joins ``\\``-continued lines, drops
+    comments; raises ValueError on an instruction it does not know."""
+    known = {"FROM", "ARG", "ENV", "RUN", "COPY", "USER", "WORKDIR", "VOLUME", "EXPOSE",
+             "HEALTHCHECK", "ENTRYPOINT", "CMD", "LABEL"}
+    logical: list[str] = []
+    buf = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        logical.append(buf + line)
+        buf = ""
+    assert not buf, "a continued line at the end of the file"
+    preamble: list[Instruction] = []
+    stages: list[Stage] = []
+    for line in logical:
+        keyword, _, rest = line.partition(" ")
+        keyword = keyword.upper()
+        if keyword not in known:
+            raise ValueError(f"unknown instruction {keyword!r}")
+        flags: dict[str, str] = {}
+        rest = rest.strip()
+        while rest.startswith("--"):
+            flag, _, rest = rest.partition(" ")
+            name, _, value = flag[2:].partition("=")
+            flags[name] = value
+            rest = rest.strip()
+        ins = Instruction(keyword, flags, rest)
+        if keyword == "FROM":
+            words = rest.split()
+            stage_name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+            stages.append(Stage(words[0], stage_name))
+        elif stages:
+            stages[-1].instructions.append(ins)
+        else:
+            preamble.append(ins)
+    return preamble, stages
+
+
+def exec_form(ins: Instruction) -> list[str]:
+    value = json.loads(ins.args)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), ins
+    return value
+
+
+@pytest.fixture(scope="module")
+def parsed() -> tuple[list[Instruction], list[Stage]]:
+    return parse(CONTAINERFILE.read_text())
+
+
+def test_multi_stage_with_base_as_build_arg(parsed: tuple[list[Instruction], list[Stage]]) -> None:
+    preamble, stages = parsed
+    assert len(stages) >= 2, "a build stage and a final stage"
+    base_args = [i.args for i in preamble if i.keyword == "ARG" and i.args.startswith("BASE=")]
+    assert base_args == ["BASE=debian:bookworm-slim"]
+    assert all(s.base == "${BASE}" for s in stages)
+    assert stages[-1].all("COPY") and any(c.flags.get("from") for c in stages[-1].all("COPY"))
+
+
+def test_final_stage_runs_as_fixed_non_root_uid_matching_k8s(
+        parsed: tuple[list[Instruction], list[Stage]]) -> None:
+    final = parsed[1][-1]
+    users = final.all("USER")
+    assert users, "the final stage sets USER"
+    uid = users[-1].args.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "a fixed numeric, non-root uid"
+    sts = yaml.safe_load((ROOT / "deploy/k8s/base/statefulset.yaml").read_text())
+    assert sts["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
+
+
+def test_final_stage_installs_no_build_tools(parsed: tuple[list[Instruction], list[Stage]]) -> None:
+    final = parsed[1][-1]
+    for run in final.all("RUN"):
+        words = set(re.split(r"[\s\"'=<>;&|()]+", run.args))
+        assert not words & set(BUILD_TOOLS), f"build tool in the final stage: {run.args}"
+        assert "pip" not in run.args, "the final stage copies the venv; it does not pip install"
+    # The venv the final stage copies leaves pip behind in the build stage.
+    build_runs = " ".join(r.args for r in parsed[1][0].all("RUN"))
+    assert "pip uninstall -y pip" in build_runs
+    assert "--only-binary=:all:" in build_runs, "nothing compiled, even in the build stage"
+
+
+def test_entrypoint_is_kvpool_and_cmd_flags_exist(
+        parsed: tuple[list[Instruction], list[Stage]]) -> None:
+    final = parsed[1][-1]
+    assert exec_form(final.all("ENTRYPOINT")[-1]) == ["kvpool"]
+    cmd = exec_form(final.all("CMD")[-1])
+    assert cmd[0] == "serve"
+    help_text = subprocess.run([sys.executable, "-m", "kvpool.cli", "serve", "--help"],
+                               capture_output=True, text=True, timeout=60, check=True).stdout
+    for flag in (a for a in cmd[1:] if a.startswith("--")):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text), flag
+    # The config the CMD names is the one the image ships, and kvpool accepts it.
+    config_path = cmd[cmd.index("--config") + 1]
+    copies = {shlex.split(c.args)[-1]: shlex.split(c.args)[0] for c in final.all("COPY")}
+    assert config_path in copies
+    subprocess.run([sys.executable, "-m", "kvpool.cli", "config", "--config",
+                    str(ROOT / copies[config_path])], capture_output=True, timeout=60, check=True)
+
+
+def test_exposed_ports_match_config_and_k8s(parsed: tuple[list[Instruction], list[Stage]]) -> None:
+    final = parsed[1][-1]
+    exposed = {int(p.split("/")[0]) for e in final.all("EXPOSE") for p in e.args.split()}
+    config = yaml.safe_load((ROOT / "deploy/container/node.yaml").read_text())
+    assert exposed == {config["server"]["port"], config["server"]["metrics_port"]}
+    sts = yaml.safe_load((ROOT / "deploy/k8s/base/statefulset.yaml").read_text())
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert exposed == {p["containerPort"] for p in container["ports"]}
+    k8s_config = yaml.safe_load((ROOT / "deploy/k8s/base/kvpool.yaml").read_text())
+    assert exposed == {k8s_config["server"]["port"], k8s_config["server"]["metrics_port"]}
+    # The HEALTHCHECK probes the node's own /healthz on the metrics port, without curl.
+    (check,) = final.all("HEALTHCHECK")
+    assert check.args.startswith("CMD ")
+    probe = json.loads(check.args[len("CMD "):])
+    assert probe[0].startswith("python3") and "curl" not in check.args
+    assert f"127.0.0.1:{config['server']['metrics_port']}/healthz" in probe[-1]
+
+
+def test_every_copy_source_exists(parsed: tuple[list[Instruction], list[Stage]]) -> None:
+    seen: list[str] = []
+    for stage in parsed[1]:
+        for copy in stage.all("COPY"):
+            sources = shlex.split(copy.args)[:-1]
+            if "from" in copy.flags:
+                assert copy.flags["from"] in seen, f"COPY --from a later or unknown stage: {copy}"
+                continue
+            for src in sources:
+                assert (ROOT / src).exists(), f"COPY source missing from the repo: {src}"
+        if stage.name:
+            seen.append(stage.name)
+
+
+def test_parser_rejects_unknown_instruction() -> None:
+    with pytest.raises(ValueError, match="ONBUILD"):
+        parse("FROM x\nONBUILD RUN true\n")
