@@ -1,13 +1,16 @@
 """deploy/container/Containerfile, linted without building it: a small parser of its
 instructions, then the checks that keep it in step with the CLI, the default config, the
 Kubernetes manifests and the repository (a flag, a port or a COPY source that drifted fails
-here). No network, no podman; the build itself is documented in docs/deploy.md."""
+here). No network, no podman. The image build is one opt-in test at the end
+(KVPOOL_TEST_IMAGE_BUILD=1; docs/deploy.md#container-image)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -180,3 +183,38 @@ def test_every_copy_source_exists(parsed: tuple[list[Instruction], list[Stage]])
 def test_parser_rejects_unknown_instruction() -> None:
     with pytest.raises(ValueError, match="ONBUILD"):
         parse("FROM x\nONBUILD RUN true\n")
+
+
+IMAGE_BASE = "localhost/debian-bookworm-python"
+
+
+@pytest.mark.skipif(
+    not (os.environ.get("KVPOOL_TEST_IMAGE_BUILD") == "1" and shutil.which("podman")
+         and os.geteuid() == 0),
+    reason="opt-in (KVPOOL_TEST_IMAGE_BUILD=1): needs podman as root, the base image "
+           f"{IMAGE_BASE} (docs/deploy.md#container-image) and a Python package index")
+def test_image_builds_and_its_kvpool_runs_as_uid_10001() -> None:
+    """Builds the image on the local mmdebstrap base (chroot isolation: this sandbox's crun
+    cannot create containers) and runs its kvpool from the image's filesystem as uid 10001,
+    since ``podman run`` cannot work here either (docs/deploy.md)."""
+    if subprocess.run(["podman", "image", "exists", IMAGE_BASE], timeout=60).returncode:
+        pytest.skip(f"no base image {IMAGE_BASE}: make it with mmdebstrap (docs/deploy.md)")
+    tag = "localhost/kvpool:test"
+    cmd = ["podman", "build", "--isolation=chroot", "--format", "docker",
+           "--build-arg", f"BASE={IMAGE_BASE}", "-f", str(CONTAINERFILE), "-t", tag]
+    ca = Path("/etc/ssl/certs/ca-certificates.crt")
+    if ca.exists():
+        cmd += ["-v", f"{ca}:/run/ca.crt:ro", "--build-arg", "PIP_CERT=/run/ca.crt"]
+    subprocess.run([*cmd, str(ROOT)], check=True, timeout=600, capture_output=True)
+    mount = subprocess.run(["podman", "image", "mount", tag], check=True, timeout=60,
+                           capture_output=True, text=True).stdout.strip()
+    try:
+        root = Path(mount)
+        assert not any((root / "usr/bin" / t).exists() for t in ("gcc", "cc", "make", "g++"))
+        assert not (root / "opt/kvpool/bin/pip").exists()
+        out = subprocess.run(["chroot", "--userspec=10001:10001", mount, "/usr/bin/env", "-i",
+                              "PATH=/opt/kvpool/bin:/usr/bin:/bin", "kvpool", "--version"],
+                             check=True, timeout=60, capture_output=True, text=True).stdout
+        assert out.startswith("kvpool ")
+    finally:
+        subprocess.run(["podman", "image", "unmount", tag], timeout=60, capture_output=True)
