@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 from kvtest import byte_namespace, payload_for
 from node_process import NodeProcess
-from tests_support import recv_exact
+from tests_support import recv_exact, wait_until
 
 from kvpool.keys import Namespace, canonical_json
 from kvpool.net.connection import NodeConnection
@@ -23,15 +22,6 @@ from kvpool.net.protocol import HEADER_BYTES, Header, Op, RemoteError, Status, u
 CHUNK = 64 * 1024
 TOKENS = [{"token": "token-acme-123", "tenants": ["acme"]}]
 ADMIN = "admin-token-000"
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def server_stats(node: NodeProcess, token: str | None = None) -> dict[str, Any]:

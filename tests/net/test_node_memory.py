@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from kvtest import byte_namespace
 from node_process import NodeProcess
-from tests_support import recv_exact
+from tests_support import recv_exact, wait_until
 
 from kvpool.keys import Namespace
 from kvpool.net.connection import NodeConnection
@@ -37,15 +37,6 @@ def vm(node: NodeProcess, field: str) -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field}")
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def admin_stats(node: NodeProcess) -> dict[str, Any]:
