@@ -40,7 +40,7 @@ from kvpool.metrics.http import MetricsServer
 from kvpool.metrics.pool_collector import PoolCollector
 from kvpool.metrics.recorder import OpLatency
 from kvpool.mover import Mover
-from kvpool.tiers.base import leading_run, read_tiers
+from kvpool.tiers.base import Tier, leading_run, read_tiers
 from kvpool.tiers.slots import PinnedView, SlotReservation
 from kvpool.tiers.stack import build_tiers
 
@@ -85,10 +85,13 @@ class KVPool:
 
     ``metrics`` is the pool's Prometheus registry (integrations add their collectors to it);
     with ``metrics.port`` set (and ``serve_metrics``) it is served over HTTP from here:
-    opening raises OSError when that port cannot be bound."""
+    opening raises OSError when that port cannot be bound. With ``events.enabled: true``
+    (and ``publish_events``) it publishes KV events of its DRAM and SSD tiers
+    (docs/routing.md); opening raises zmq.ZMQError when an events port cannot be bound. A
+    storage node passes ``publish_events=False`` and publishes them under its node id."""
 
     def __init__(self, config: Config | None = None, remote: bool = True,
-                 serve_metrics: bool = True) -> None:
+                 serve_metrics: bool = True, publish_events: bool = True) -> None:
         if config is not None and not isinstance(config, Config):
             raise ArgumentError(f"config must be a kvpool Config (load_config() or "
                                 f"config_from_dict({{...}})), got {type(config).__name__}")
@@ -128,7 +131,16 @@ class KVPool:
                                 self.config.pool.background_nice)
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
+        self.events: Any = None  # the KV event publisher (events.enabled: true), else None
         port = self.config.metrics.port
+        if publish_events and self.config.events.enabled:
+            from kvpool.events.attach import start_events
+            try:
+                self.events = start_events(self, self.config.events.node_id or None,
+                                           self.config.events.host or self.config.metrics.host)
+            except BaseException:
+                self.close()
+                raise
         if serve_metrics and port is not None:
             try:
                 self._metrics_server = MetricsServer(self.metrics, self.config.metrics.host,
@@ -187,6 +199,15 @@ class KVPool:
         # The index sort takes ~0.8 s per million records: on the mover's thread, never the
         # caller's (a storage node registers namespaces on its event loop).
         self._mover.submit_found(ns, newest, "warmed", "warm_skipped")
+
+    def namespaces(self) -> list[Namespace]:
+        """The namespaces registered now (the query API resolves a model name with it)."""
+        with self._lock:
+            return list(self._namespaces.values())
+
+    def tiers(self) -> list[Tier]:
+        """The tiers in read order (the query API and the KV events look at them)."""
+        return list(self._tiers)
 
     def unregister_namespace(self, ns: Namespace) -> None:
         """Forget a namespace (a storage node bounds its registry with this). Its chunks stay
@@ -563,6 +584,8 @@ class KVPool:
         if self._mover is not None:
             self._mover.close()
         self._stack.close()
+        if self.events is not None:
+            self.events.close()
 
     def __enter__(self) -> KVPool:
         return self

@@ -131,6 +131,16 @@ def _specs() -> list[MetricSpec]:
         MetricSpec("kvpool_repair_failures_total", "counter",
                    "Repair copies that failed (peer down or refusing, read error) or were "
                    "dropped (a client's full read-repair queue).", (), s),
+        MetricSpec("kvpool_events_published_total", "counter",
+                   "KV events published (docs/routing.md), by medium: CPU (DRAM), DISK (SSD).",
+                   ("medium",)),
+        MetricSpec("kvpool_events_batches_total", "counter",
+                   "KV event batches sent on the PUB socket."),
+        MetricSpec("kvpool_events_dropped_total", "counter",
+                   "KV events dropped (queue full, send failed): each loss shows consumers a "
+                   "sequence gap."),
+        MetricSpec("kvpool_events_replays_total", "counter",
+                   "Replay requests answered (consumers catching up after a gap)."),
         MetricSpec("kvpool_build_info", "gauge",
                    "Always 1; the version label is the kvpool package's version.",
                    ("version",), s),

@@ -22,8 +22,13 @@ Page = tuple[int, str, bytes]
 #: Answers one path at request time (on the server's thread); an exception it raises is a
 #: 500 answer, logged rate-free at WARNING (a bug, not load).
 PageHandler = Callable[[], Page]
+#: Answers a request with its method and body (the query API's POSTs); same contract.
+RequestHandler = Callable[[str, bytes], Page]
+#: Largest request body read; a larger one is answered 413 unread.
+MAX_BODY_BYTES = 16 << 20
 
-_REASONS = {200: "200 OK", 404: "404 Not Found", 500: "500 Internal Server Error",
+_REASONS = {200: "200 OK", 400: "400 Bad Request", 404: "404 Not Found",
+            413: "413 Content Too Large", 500: "500 Internal Server Error",
             503: "503 Service Unavailable"}
 
 
@@ -49,9 +54,11 @@ class MetricsServer:
     served is an error at start, never a silent gap in monitoring."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 pages: Mapping[str, PageHandler] | None = None) -> None:
+                 pages: Mapping[str, PageHandler] | None = None,
+                 requests: Mapping[str, RequestHandler] | None = None) -> None:
         self._metrics = make_wsgi_app(registry)
         self._pages = dict(pages or {})
+        self._requests = dict(requests or {})
         server_class = _Server6 if ":" in host else _Server
         self._server: Any = make_server(host, port, self._app, server_class, _Quiet)
         self._thread = threading.Thread(target=self._server.serve_forever,
@@ -73,12 +80,17 @@ class MetricsServer:
             answer: Iterable[bytes] = self._metrics(environ, start_response)
             return answer
         handler = self._pages.get(path)
-        if handler is None:
-            known = " ".join(["/metrics", *sorted(self._pages)])
+        request = self._requests.get(path)
+        if handler is None and request is None:
+            known = " ".join(["/metrics", *sorted(self._pages), *sorted(self._requests)])
             code, ctype, body = 404, "text/plain", f"not found; try {known}\n".encode()
         else:
             try:
-                code, ctype, body = handler()
+                if request is not None:
+                    code, ctype, body = _call(request, environ)
+                else:
+                    assert handler is not None
+                    code, ctype, body = handler()
             except Exception as exc:  # a bug in a page: answered, never the server's end
                 log.warning("metrics endpoint: %s failed: %s", path, exc,
                             extra={"event": "http_page_failed", "path": path})
@@ -94,3 +106,15 @@ class MetricsServer:
             self._server.server_close()
             self._thread.join(timeout=5)
             self._server = None
+
+
+def _call(request: RequestHandler, environ: dict[str, Any]) -> Page:
+    """Read the body (at most MAX_BODY_BYTES: else 413 unread) and call the handler."""
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return 400, "text/plain", b"bad Content-Length\n"
+    if length > MAX_BODY_BYTES:
+        return 413, "text/plain", f"body over {MAX_BODY_BYTES} bytes\n".encode()
+    body = environ["wsgi.input"].read(length) if length > 0 else b""
+    return request(environ.get("REQUEST_METHOD", "GET"), body)

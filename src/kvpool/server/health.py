@@ -5,7 +5,8 @@
   one line (starting, not registered in etcd, SSD closed, drained, shutting down);
 - ``/sd``: Prometheus HTTP service discovery (``http_sd_configs``): a JSON list with one
   target group per live node of the cluster that serves metrics (from the etcd membership
-  the node follows; without etcd, the node itself), labelled ``node`` and ``cluster``.
+  the node follows; without etcd, the node itself), labelled ``node`` and ``cluster``;
+- ``/events``: the node's KV event endpoints and incarnation (docs/routing.md).
 
 Mechanism only: what "ready" means and which nodes are live are the node's callables.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvpool.cluster.membership import NodeInfo
 from kvpool.metrics.http import Page, PageHandler
@@ -52,3 +54,14 @@ def health_pages(readiness: Readiness,
         return 200, "application/json", body
 
     return {"/healthz": healthz, "/readyz": readyz, "/sd": sd}
+
+
+def events_page(publisher: Any) -> dict[str, PageHandler]:
+    """``/events``: where this node publishes its KV events (docs/routing.md), as JSON;
+    ``{"enabled": false}`` when it publishes none."""
+
+    def events() -> Page:
+        info = publisher.info() if publisher is not None else {"enabled": False}
+        return 200, "application/json", json.dumps(info).encode()
+
+    return {"/events": events}

@@ -60,10 +60,11 @@ from kvpool.pool import KVPool
 from kvpool.server.accept import AcceptBackoff, log_fd_limits, raise_fd_limit
 from kvpool.server.auth import Authenticator
 from kvpool.server.connection import Connection
-from kvpool.server.health import health_pages
+from kvpool.server.health import events_page, health_pages
+from kvpool.server.query import QueryService
 from kvpool.server.reload import LiveSettings
 from kvpool.server.repair import NodeRepair, RepairCollector, start_node_repair
-from kvpool.server.store import NodeStore, scoped_chunk_key
+from kvpool.server.store import NodeStore, scoped_chunk_key, scoped_chunk_keys
 from kvpool.server.traffic import Traffic
 
 log = logging.getLogger("kvpool.serve")
@@ -127,13 +128,14 @@ class StorageNode:
         check_node_memory(log, config.dram.capacity, config.pool.write_behind_bytes)
         try:
             # the node is the remote tier; it serves the pool's metrics with its own
-            self.pool = KVPool(config, remote=False, serve_metrics=False)
+            self.pool = KVPool(config, remote=False, serve_metrics=False, publish_events=False)
         except (ValueError, KVPoolError) as exc:  # tier geometry the media cannot hold
             self.listener.close()
             raise NodeStartError(str(exc)) from None
         except BaseException:
             self.listener.close()
             raise
+        self.events = self._start_events(config)  # KV events (docs/routing.md); None: off
         self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
         self._tls_threads: ThreadPoolExecutor | None = None  # server.tls's connections
         self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
@@ -147,15 +149,50 @@ class StorageNode:
         self.live = LiveSettings()
         self._register_live()
         self.metrics_server: MetricsServer | None = None
+        self.query: QueryService | None = None
         if srv.metrics_port is not None:
             try:
                 pages = health_pages(self.readiness, self._members, config.cluster.name)
+                pages.update(events_page(self.events))
+                self.query = QueryService(self.pool, self.node_id, self._incarnation,
+                                          self._members, self._expected, config.query.timeout_s,
+                                          scoped_chunk_keys)
                 self.metrics_server = MetricsServer(self.pool.metrics, srv.host,
-                                                    srv.metrics_port, pages)
+                                                    srv.metrics_port, pages,
+                                                    self.query.handlers())
             except BaseException:
                 self.listener.close()
                 self.pool.close()
+                if self.events is not None:
+                    self.events.close()
                 raise
+
+    def _start_events(self, config: Config) -> Any:
+        """The node's KV event publisher (events.enabled unset or true), attached to its
+        pool's tiers; None when off or pyzmq is missing. Raises NodeStartError naming the
+        keys when a port cannot be bound."""
+        from kvpool.events.attach import EventsCollector, start_events
+        ev = config.events
+        if ev.enabled is False:
+            self.pool.metrics.register(EventsCollector(None))
+            return None
+        try:
+            return start_events(self.pool, ev.node_id or self.node_id,
+                                ev.host or config.server.host, key_scope="namespace")
+        except Exception as exc:  # zmq.ZMQError: a port taken, an address not ours
+            self.listener.close()
+            self.pool.close()
+            raise NodeStartError(f"events.port={ev.port}, events.replay_port="
+                                 f"{ev.replay_port}: cannot publish KV events: {exc}") from None
+
+    def _incarnation(self) -> str | None:
+        return self.events.incarnation if self.events is not None else None
+
+    def _expected(self) -> frozenset[str]:
+        """Every node that should be in the cluster (etcd's expected set; none without
+        etcd)."""
+        watch = self._drain_watch
+        return watch.expected_nodes() if watch is not None else frozenset()
 
     @staticmethod
     def _tls_context(config: Config) -> ssl.SSLContext | None:
@@ -500,6 +537,10 @@ class StorageNode:
         if self._identity_lock is not None:
             self._identity_lock.release()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
+        if self.query is not None:
+            self.query.close()
+        if self.events is not None:
+            self.events.close()
         self.executor.shutdown(wait=True)
         self.traffic.shutdown()
         if self._tls_threads is not None:

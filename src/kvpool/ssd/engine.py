@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -33,6 +33,7 @@ from kvpool.buffers import byte_view
 from kvpool.config import Config, SsdConfig
 from kvpool.counters import Counters
 from kvpool.errors import PoolClosedError
+from kvpool.events.sink import TierEvents
 from kvpool.keys import KEY_BYTES, Namespace
 from kvpool.policy import make_segment_policy
 from kvpool.record import (
@@ -189,7 +190,7 @@ class SsdEngine:
         if flags & FLAG_NS_TOMBSTONE:
             idx = self._ns.find(namespace_id)
             if idx >= 0:
-                self._index.remove_slots(self._index.slots_where(ns_index=idx))
+                self._index.remove_slots(self._index.slots_where(ns_index=idx), cleared_ns=idx)
         elif flags & FLAG_TOMBSTONE:
             self._index.remove(key)
         else:
@@ -294,6 +295,13 @@ class SsdEngine:
         self._append_marker(RecordHeader(bytes(KEY_BYTES), namespace_id, 0, 0, 0, 0,
                                          FLAG_NS_TOMBSTONE))
         return count
+
+    def attach_events(self, events: TierEvents | None) -> None:
+        """Tell ``events`` of every record indexed or dropped from now on (KV events,
+        docs/routing.md); None detaches. What the index already holds is not announced."""
+        with self._lock:
+            self._index.observer = None if events is None else _IndexEvents(events,
+                                                                           self._ns.id_of)
 
     # ------------------------------------------------------------------ reads
     def contains(self, key: bytes, namespace_id: bytes | None = None) -> bool:
@@ -464,3 +472,25 @@ class SsdEngine:
         keys = self._marks.take(max_keys)
         if keys:
             self._counters.add("marked_reads", self._index.mark_hot_many(keys))
+
+
+class _IndexEvents:
+    """The index's observer: its namespace numbers turned into namespace ids."""
+
+    __slots__ = ("_events", "_id_of")
+
+    def __init__(self, events: TierEvents, id_of: Callable[[int], bytes]) -> None:
+        self._events, self._id_of = events, id_of
+
+    def added(self, key: bytes, ns_index: int) -> None:
+        self._events.stored((key,), self._id_of(ns_index))
+
+    def removed(self, keys: list[bytes], ns_indexes: list[int]) -> None:
+        by_ns: dict[int, list[bytes]] = {}
+        for key, idx in zip(keys, ns_indexes, strict=True):
+            by_ns.setdefault(idx, []).append(key)
+        for idx, group in by_ns.items():
+            self._events.removed(group, self._id_of(idx))
+
+    def cleared(self, ns_index: int) -> None:
+        self._events.cleared(self._id_of(ns_index))

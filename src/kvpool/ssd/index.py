@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterable
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -38,11 +38,24 @@ class Location(NamedTuple):
     ns_index: int
 
 
+class IndexObserver(Protocol):
+    """Told of every key that enters or leaves the index (KV events, docs/routing.md),
+    under the engine lock: each call must return at once and never raise."""
+
+    def added(self, key: bytes, ns_index: int) -> None: ...
+
+    def removed(self, keys: list[bytes], ns_indexes: list[int]) -> None: ...
+
+    def cleared(self, ns_index: int) -> None: ...
+
+
 class CompactIndex:
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
         self._alloc(max(_MIN_CAPACITY, capacity))
         self._count = 0
         self._deleted = 0
+        #: None: nobody listens (recovery runs before one is attached).
+        self.observer: IndexObserver | None = None
 
     def _alloc(self, cap: int) -> None:
         self._cap = cap
@@ -176,6 +189,7 @@ class CompactIndex:
         cap = self._cap
         i = a % cap
         free = -1
+        replaced = False
         while True:
             n = self._blocks[i]
             if n == _EMPTY:
@@ -186,6 +200,7 @@ class CompactIndex:
             elif self._k0[i] == a and self._k1[i] == b:
                 free = i
                 self._count -= 1  # replaced below
+                replaced = True
                 break
             i = i + 1 if i + 1 < cap else 0
         if free >= 0:
@@ -194,6 +209,8 @@ class CompactIndex:
             i = free
         self._store(i, a, b, segment, block, blocks, ns_index, 0)
         self._count += 1
+        if self.observer is not None and not replaced:
+            self.observer.added(bytes(key), ns_index)
 
     def _store(self, i: int, a: int, b: int, segment: int, block: int, blocks: int,
                ns_index: int, hot: int) -> None:
@@ -210,6 +227,8 @@ class CompactIndex:
         self._hot[i] = 0
         self._count -= 1
         self._deleted += 1
+        if self.observer is not None:
+            self.observer.removed([bytes(key)], [loc.ns_index])
         return loc
 
     def slots_where(self, *, segment: int | None = None, ns_index: int | None = None) -> np.ndarray:
@@ -225,8 +244,17 @@ class CompactIndex:
     def key_at(self, slot: int) -> bytes:
         return self._k0[slot].to_bytes(8, "little") + self._k1[slot].to_bytes(8, "little")
 
-    def remove_slots(self, slots: np.ndarray) -> None:
-        """Drop the live entries at ``slots`` (as returned by slots_where)."""
+    def remove_slots(self, slots: np.ndarray, cleared_ns: int | None = None) -> None:
+        """Drop the live entries at ``slots`` (as returned by slots_where). ``cleared_ns``:
+        they are all of that namespace, dropped as a whole (the observer hears one
+        ``cleared`` instead of every key)."""
+        if slots.size and self.observer is not None:
+            if cleared_ns is not None:
+                self.observer.cleared(cleared_ns)
+            else:
+                ns_col = self.column("ns_index")
+                self.observer.removed([self.key_at(int(s)) for s in slots],
+                                      [int(ns_col[s]) for s in slots])
         if slots.size:
             self.column("blocks")[slots] = _DELETED
             self.column("hot")[slots] = 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpool.buffers import byte_view
 from kvpool.errors import ChunkSizeError, PoolClosedError
+from kvpool.events.sink import TierEvents
 from kvpool.keys import Namespace
 from kvpool.policy import EvictionPolicy, make_eviction_policy
 from kvpool.tiers.arena import SlotArena
@@ -45,6 +46,8 @@ class DramTier:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._demote = demote
+        #: KV events (docs/routing.md): told of every chunk stored and removed; None: off.
+        self.events: TierEvents | None = None
         self._put_wait_s = put_wait_s
         self._closed = False
         self._counters: dict[str, int] = dict.fromkeys(
@@ -147,6 +150,8 @@ class DramTier:
             self._policy(entry.slot_size).insert(key)
             self._counters["puts"] += 1
             self._counters["put_bytes"] += entry.nbytes
+            if self.events is not None:
+                self.events.stored((key,), entry.ns)
         return True
 
     def _abort(self, entry: _Entry) -> None:
@@ -215,6 +220,9 @@ class DramTier:
     def _hand_over(self, evicted: list[tuple[bytes, _Entry]]) -> None:
         """Hand evicted chunks to the demotion sink, outside the lock (a stolen slab's victims
         are shown before this thread writes into the slab)."""
+        if self.events is not None:
+            for key, entry in evicted:
+                self.events.removed((key,), entry.ns)
         if self._demote is None:
             return
         for key, entry in evicted:
@@ -330,7 +338,11 @@ class DramTier:
         """Remove a chunk; a pinned one disappears now and frees its slot when released."""
         with self._lock:
             self._check_open()
-            return self._drop_locked(key)
+            entry = self._entries.get(key)
+            dropped = self._drop_locked(key)
+            if dropped and entry is not None and self.events is not None:
+                self.events.removed((key,), entry.ns)
+            return dropped
 
     def invalidate(self, namespace_id: bytes, ns: Namespace | None = None) -> int:
         with self._lock:
@@ -338,6 +350,8 @@ class DramTier:
             doomed = [k for k, e in self._entries.items() if e.ns.id == namespace_id]
             for key in doomed:
                 self._drop_locked(key)
+            if doomed and self.events is not None:
+                self.events.cleared(ns if ns is not None else namespace_id)
             return len(doomed)
 
     def mark_on_lower(self, key: bytes) -> None:
