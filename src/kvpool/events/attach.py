@@ -27,7 +27,8 @@ def start_events(pool: KVPool, node: str | None, host: str,
     attach it to the pool's DRAM and SSD tiers; its metrics join ``pool.metrics``. ``node``:
     who holds the chunks (None: this host's name); ``key_scope``: how the tiers' keys relate
     to chunk keys (``KVEventBatch.key_scope``: a storage node's are "namespace"). Returns
-    None, with one warning, when pyzmq or msgspec is not installed. Raises zmq.ZMQError when a port cannot be bound."""
+    None, with one warning, when pyzmq or msgspec is not installed. Raises zmq.ZMQError
+    when a port cannot be bound."""
     try:
         from kvpool.events.publisher import EventPublisher, PublisherSettings
     except ImportError as exc:
