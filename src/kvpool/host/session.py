@@ -55,7 +55,10 @@ class Session:
         n = meta.get("n")
         if not isinstance(n, int):
             raise Refused("n must be an integer")
-        return wire.unpack_keys(tail, n)
+        try:
+            return wire.unpack_keys(tail, n)
+        except wire.WireError as exc:
+            raise Refused(str(exc)) from None
 
     def _ids(self, meta: dict[str, Any]) -> list[int]:
         ids = meta.get("ids")
