@@ -369,6 +369,7 @@ class HostConfig(_Section):
     connect_timeout_s: float = Field(1.0, gt=0, description="How long an engine waits to connect and attach; a host pool that is not there costs misses until it is.")
     request_timeout_s: float = Field(5.0, gt=0, description="How long an engine waits for one answer from the host pool; past it the engine detaches (its pins and reservations die with the connection) and its calls are misses or dropped saves until it attaches again.")
     retry_s: float = Field(1.0, gt=0, description="A detached engine tries to attach again at most this often (on its next call).")
+    unpin_delay_s: float = Field(0.002, gt=0, le=1, description="An engine tells the host pool which pins it released with its next request, or this long after the release if no request comes first: one wake-up of the host pool per read instead of two (measured here, 64 x 64 KiB reads on 2 loaded cores: the separate unpin write cost more than the copy). The slots stay pinned (not evictable) that much longer.")
     max_held: int = Field(65536, ge=1, description="Pins and reservations one attached connection may hold at once; past it a pin is a miss and a reservation a dropped save.")
     max_frame_bytes: Size = Field(256 << 20, description="Largest message on the socket (the byte fallbacks of reads and writes that find no DRAM slot carry payloads).")
     populate: bool = Field(True, description="An engine faults its mapping of the arena in when it attaches (MAP_POPULATE), so its first reads pay no page faults.")

@@ -56,7 +56,7 @@ class AttachedView:
         if not self._released:
             self._released = True
             self.data.release()
-            self._link.send({"op": wire.UNPIN, "ids": [self._id]})
+            self._link.unpin_later([self._id])
 
     def __enter__(self) -> AttachedView:
         return self
@@ -316,7 +316,7 @@ class AttachedPool:
                     found[i] = True
         finally:
             if pins:
-                link.send({"op": wire.UNPIN, "ids": pins})
+                link.unpin_later(pins)
         hits = sum(found)
         self._counters.add_many({"dram_hits": len(pins), "fallback_hits": hits - len(pins),
                                  "misses": len(keys) - hits})

@@ -36,6 +36,8 @@ class Link:
         self._host = host
         self._lock = threading.Lock()
         self.closed = False
+        self._unpins: list[int] = []  # released pins not yet told to the host pool
+        self._unpin_timer: threading.Timer | None = None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(host.connect_timeout_s)
@@ -80,15 +82,18 @@ class Link:
     def call(self, meta: dict[str, Any], tail: wire.Bytes = b"",
              parts: list[tuple[dict[str, Any], wire.Bytes]] | None = None
              ) -> tuple[dict[str, Any], bytearray]:
-        """Send ``parts`` (frames with no answer) then the request; its answer. Detached on
-        a socket failure (the link is closed)."""
+        """Send the pending unpins and ``parts`` (frames with no answer), then the request,
+        in one write where they are small; its answer. Detached on a socket failure (the
+        link is closed)."""
         with self._lock:
             if self.closed:
                 raise Detached("the host pool connection is closed")
+            frames = list(parts or ())
+            if self._unpins:
+                frames.insert(0, ({"op": wire.UNPIN, "ids": self._unpins}, b""))
+                self._unpins = []
             try:
-                for m, t in parts or ():
-                    wire.send_frame(self.sock, m, t)
-                wire.send_frame(self.sock, meta, tail)
+                wire.send_frames(self.sock, [*frames, (meta, tail)])
                 answer, payload, _ = wire.recv_frame(self.sock, self._host.max_frame_bytes)
             except (OSError, ConnectionError) as exc:
                 self._close_locked()
@@ -96,6 +101,26 @@ class Link:
         if not answer.get("ok"):
             raise ArgumentError(f"host pool refused {meta.get('op')}: {answer.get('error')}")
         return answer, payload
+
+    def unpin_later(self, ids: list[int]) -> None:
+        """Release pins: told to the host pool with the next request, or by a timer
+        ``host.unpin_delay_s`` later if none comes (one wake-up of the host pool per read
+        instead of two). Pins of a closed link were released by the host pool already."""
+        with self._lock:
+            if self.closed:
+                return
+            self._unpins.extend(ids)
+            if self._unpin_timer is None:
+                self._unpin_timer = threading.Timer(self._host.unpin_delay_s, self._flush_unpins)
+                self._unpin_timer.daemon = True
+                self._unpin_timer.start()
+
+    def _flush_unpins(self) -> None:
+        with self._lock:
+            self._unpin_timer = None
+            ids, self._unpins = self._unpins, []
+        if ids:
+            self.send({"op": wire.UNPIN, "ids": ids})
 
     def send(self, meta: dict[str, Any], tail: wire.Bytes = b"") -> None:
         """A frame with no answer (unpin, abort, put); a failure detaches quietly."""
@@ -111,6 +136,8 @@ class Link:
         if self.closed:
             return
         self.closed = True
+        if self._unpin_timer is not None:
+            self._unpin_timer.cancel()
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.cuda:

@@ -82,6 +82,19 @@ def send_frame(sock: socket.socket, meta: dict[str, Any], tail: Bytes = b"",
         sock.sendall(tail)
 
 
+def send_frames(sock: socket.socket, frames: Sequence[tuple[dict[str, Any], Bytes]]) -> None:
+    """Several frames back to back; one write when they are small (the host pool reads
+    them in one wake-up)."""
+    encoded = [encode(meta, tail) for meta, tail in frames]
+    if sum(len(h) + len(t) for h, t in encoded) < 65536:
+        sock.sendall(b"".join(h + bytes(t) for h, t in encoded))
+        return
+    for head, tail in encoded:
+        sock.sendall(head)
+        if len(tail):
+            sock.sendall(tail)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
