@@ -157,3 +157,29 @@ def test_reads_fall_back_to_bytes_on_the_socket_when_every_slot_is_pinned(
     finally:
         pool.close()
         server.stop()
+
+
+def test_released_pins_reach_the_host_pool_without_another_request(tmp_path: Path) -> None:
+    data = host_config(tmp_path)
+    server = HostServer(config_from_dict(data)).start()
+    reader = AttachedPool(engine_config(data))
+    writer = AttachedPool(engine_config(data))
+    try:
+        ns = reader.register_namespace(namespace())
+        writer.register_namespace(ns)
+        old, old_datas = chunks(ns, 1, 8)  # every slot of the arena
+        assert writer.put_many(ns, old, old_datas) == 8
+        views = reader.pin_many(ns, old)
+        new, new_datas = chunks(ns, 2, 8)
+        assert writer.put_many(ns, new, new_datas) == 0  # all pinned: dropped
+        for v in views:
+            assert v is not None
+            v.release()
+        # The reader sends nothing more: its flusher tells the host pool.
+        wait_for(lambda: writer.put_many(ns, new, new_datas) == 8, 10,
+                 "the released slots evictable again")
+        assert reader.stats()["host"]["held"] == 0
+    finally:
+        reader.close()
+        writer.close()
+        server.stop()

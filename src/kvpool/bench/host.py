@@ -30,6 +30,7 @@ import yaml
 
 from kvpool.bench.remote_peers import Process
 from kvpool.bench.stats import BenchFailure, run_in_work_dir
+from kvpool.buffers import byte_view
 from kvpool.config import config_from_dict
 from kvpool.host.client import AttachedPool
 from kvpool.host.launch import HostProcess
@@ -51,7 +52,7 @@ def _chunks(ns: Namespace, n: int, seed: int) -> tuple[list[bytes], list[np.ndar
     return keys, [rng.integers(0, 256, ns.chunk_bytes, dtype=np.uint8) for _ in keys]
 
 
-def _timed_passes(sides: dict[str, Callable[[], None]], passes: int) -> dict[str, float]:
+def _timed_passes(sides: dict[str, Callable[[], object]], passes: int) -> dict[str, float]:
     """Median seconds per side, the sides interleaved pass by pass."""
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(passes):
@@ -164,6 +165,19 @@ def run_host_bench(work: Path, passes: int, log: Callable[[str], None]) -> dict[
         small_s = _timed_passes({
             "attached": _reader(attached, small, skeys, sdatas, "attached 64 KiB"),
             "node": _reader(client, small, skeys, sdatas, "loopback node 64 KiB")}, passes)
+        # Where an attached read's time goes: one socket round trip, and the copy alone.
+        views = attached.pin_many(small, skeys)
+        outs = [np.empty_like(d) for d in sdatas]
+
+        def copy_only() -> None:
+            for out, view in zip(outs, views, strict=True):
+                byte_view(out, writable=True)[:] = view.data  # type: ignore[union-attr]
+
+        parts_s = _timed_passes({"round_trip": lambda: attached.lookup(small, skeys[:1]),
+                                 "copy_only": copy_only}, passes)
+        for view in views:
+            if view is not None:
+                view.release()
 
         log(f"host_dram_copies_4_engines: {ENGINES} processes x {COPIES_CHUNKS} chunks")
         copies = [_copies(config_path, attached, f"bench-host-copies-{i}") for i in range(3)]
@@ -178,7 +192,9 @@ def run_host_bench(work: Path, passes: int, log: Callable[[str], None]) -> dict[
             "median_s": {"attached_16x2MiB": big_s["attached"],
                          "inprocess_16x2MiB": big_s["inprocess"],
                          "attached_64x64KiB": small_s["attached"],
-                         "loopback_node_64x64KiB": small_s["node"]},
+                         "loopback_node_64x64KiB": small_s["node"],
+                         "attached_round_trip_1_key": parts_s["round_trip"],
+                         "attached_copy_only_64x64KiB": parts_s["copy_only"]},
             "copies_passes": copies,
             "passes": passes,
         }

@@ -13,6 +13,7 @@ import contextlib
 import mmap
 import socket
 import threading
+import time
 from typing import Any
 
 from kvpool.config import HostConfig
@@ -37,7 +38,7 @@ class Link:
         self._lock = threading.Lock()
         self.closed = False
         self._unpins: list[int] = []  # released pins not yet told to the host pool
-        self._unpin_timer: threading.Timer | None = None
+        self._unpins_due = threading.Condition(self._lock)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(host.connect_timeout_s)
@@ -68,6 +69,8 @@ class Link:
         finally:
             socket.close(fds[0])
         self.sock.settimeout(host.request_timeout_s)
+        threading.Thread(target=self._flush_unpins, name="kvpool-host-unpin",
+                         daemon=True).start()
         self.address = map_address(self.mapping)
         self.cuda = host.cuda_register == "auto" and \
             register_host_memory(self.address, self.arena_bytes)
@@ -103,24 +106,38 @@ class Link:
         return answer, payload
 
     def unpin_later(self, ids: list[int]) -> None:
-        """Release pins: told to the host pool with the next request, or by a timer
-        ``host.unpin_delay_s`` later if none comes (one wake-up of the host pool per read
-        instead of two). Pins of a closed link were released by the host pool already."""
+        """Release pins: told to the host pool with the next request, or by this link's
+        flusher thread ``host.unpin_delay_s`` later if none comes (one wake-up of the host
+        pool per read instead of two). Pins of a closed link were released by the host pool
+        already."""
         with self._lock:
             if self.closed:
                 return
+            if not self._unpins:
+                self._unpins_due.notify()
             self._unpins.extend(ids)
-            if self._unpin_timer is None:
-                self._unpin_timer = threading.Timer(self._host.unpin_delay_s, self._flush_unpins)
-                self._unpin_timer.daemon = True
-                self._unpin_timer.start()
 
     def _flush_unpins(self) -> None:
+        """The flusher thread: sends pins released ``host.unpin_delay_s`` ago that no
+        request carried meanwhile; ends when the link closes."""
+        delay = self._host.unpin_delay_s
         with self._lock:
-            self._unpin_timer = None
-            ids, self._unpins = self._unpins, []
-        if ids:
-            self.send({"op": wire.UNPIN, "ids": ids})
+            while not self.closed:
+                if not self._unpins:
+                    self._unpins_due.wait()
+                    continue
+                deadline = time.monotonic() + delay
+                while self._unpins and not self.closed:  # a request may take them first
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._unpins_due.wait(left)
+                if self._unpins and not self.closed:
+                    ids, self._unpins = self._unpins, []
+                    try:
+                        wire.send_frame(self.sock, {"op": wire.UNPIN, "ids": ids})
+                    except OSError:
+                        self._close_locked()
 
     def send(self, meta: dict[str, Any], tail: wire.Bytes = b"") -> None:
         """A frame with no answer (unpin, abort, put); a failure detaches quietly."""
@@ -136,8 +153,7 @@ class Link:
         if self.closed:
             return
         self.closed = True
-        if self._unpin_timer is not None:
-            self._unpin_timer.cancel()
+        self._unpins_due.notify_all()
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.cuda:

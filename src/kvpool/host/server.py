@@ -134,7 +134,7 @@ class HostServer:
                         fds=[pool.arena_fd])
         log.info("attached pid %d (uid %d) as tenant %s", pid, uid, name,
                  extra={"event": "attached", "peer": pid})
-        return Session(pool, host.max_held)
+        return Session(pool, host.max_held, host.max_frame_bytes)
 
     def _serve(self, conn: socket.socket) -> None:
         with self._lock:

@@ -28,10 +28,11 @@ class Refused(KVPoolError):
 
 
 class Session:
-    def __init__(self, tenant: TenantPool, max_held: int) -> None:
+    def __init__(self, tenant: TenantPool, max_held: int, max_payload: int) -> None:
         self.tenant = tenant
         self.pool = tenant.pool
         self._max_held = max_held
+        self._max_payload = max_payload  # an answer's tail stays within the peer's limit
         self._namespaces: dict[str, Namespace] = {}
         self._pins: dict[int, PinnedView] = {}
         self._reservations: dict[int, ChunkReservation] = {}
@@ -102,7 +103,8 @@ class Session:
     def _op_pin(self, meta: dict[str, Any], tail: bytearray) -> Answer:
         """Pin what DRAM holds (``fetch``: reading lower tiers' chunks into free slots
         first); with ``read``, the chunks left unpinned are read into scratch and sent in
-        the tail (a miss there is counted as the pool's get counts it)."""
+        the tail (a miss there is counted as the pool's get counts it), as many as fit in
+        ``host.max_frame_bytes``: the rest stay misses."""
         ns, keys = self._ns(meta), self._keys(meta, tail)
         views = self.pool.pin_many(ns, keys, fetch=bool(meta.get("fetch")))
         out: list[Any] = []
@@ -118,7 +120,8 @@ class Session:
                 out.append([pin, view.offset])
         payload = bytearray()
         if meta.get("read"):
-            missing = [i for i, v in enumerate(out) if v is None]
+            fit = self._max_payload // ns.chunk_bytes
+            missing = [i for i, v in enumerate(out) if v is None][:fit]
             if missing:
                 scratch = [bytearray(ns.chunk_bytes) for _ in missing]
                 found = self.pool.get_many_into(ns, [keys[i] for i in missing], scratch)
