@@ -16,7 +16,8 @@ from host_child import chunks, namespace
 from host_support import engine_config, host_config
 from kvtest import wait_for
 
-from kvpool.config import config_from_dict
+from kvpool.cli import main
+from kvpool.config import config_from_dict, redact_secrets
 from kvpool.errors import ArgumentError, UnknownNamespaceError
 from kvpool.host import open_pool, wire
 from kvpool.host.client import AttachedPool
@@ -183,3 +184,25 @@ def test_released_pins_reach_the_host_pool_without_another_request(tmp_path: Pat
         reader.close()
         writer.close()
         server.stop()
+
+
+def test_kvpool_host_refuses_to_start_without_a_socket_or_on_a_live_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = host_config(tmp_path)
+    no_socket = tmp_path / "no-socket.yaml"
+    no_socket.write_text(json.dumps({**data, "host": {}}))
+    assert main(["host", "--config", str(no_socket)]) == 2
+    assert "host.socket" in capsys.readouterr().err
+    server = HostServer(config_from_dict(data)).start()
+    try:
+        live = tmp_path / "live.yaml"
+        live.write_text(json.dumps(data))
+        assert main(["host", "--config", str(live)]) == 2
+        assert "another host pool is listening" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+def test_the_attach_token_is_printed_redacted(tmp_path: Path) -> None:
+    cfg = engine_config(host_config(tmp_path), token="engine-secret")
+    assert redact_secrets(cfg.model_dump())["host"]["token"] == "***"
