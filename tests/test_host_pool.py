@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -15,16 +17,29 @@ from host_child import chunks, namespace
 from host_support import child, engine_config, host_config, run_child, start_host, write_config
 from kvtest import wait_for
 
+from kvpool.bench.remote_peers import free_port
 from kvpool.errors import ArgumentError
 from kvpool.host.client import AttachedPool
 from kvpool.host.link import AttachError
 
 
+def _http(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return int(err.code), ""
+
+
 def test_two_attached_processes_share_hits_and_one_copy(tmp_path: Path) -> None:
-    data = host_config(tmp_path)
+    port = free_port()
+    data = host_config(tmp_path, server={"metrics_port": port}, metrics={"enabled": True})
     host = start_host(tmp_path, data)
     config = write_config(tmp_path, data, "engine.yaml")
     try:
+        # The DaemonSet's probes, and the tenant pool's figures.
+        assert _http(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+        assert _http(f"http://127.0.0.1:{port}/readyz") == (200, "ready\n")
         assert run_child("save", config, "", 1, 4) == {"stored": 4}
         with AttachedPool(engine_config(data)) as pool:  # this process: another engine
             ns = pool.register_namespace(namespace())
@@ -40,8 +55,10 @@ def test_two_attached_processes_share_hits_and_one_copy(tmp_path: Path) -> None:
             for v in views:
                 assert v is not None
                 v.release()
+        status, text = _http(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200 and "kvpool_lookups_total" in text
     finally:
-        host.stop()
+        assert host.stop() == 0
 
 
 def test_sigkilled_engine_leaks_no_pin_and_no_reservation(tmp_path: Path) -> None:

@@ -15,11 +15,17 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvpool.config import load_config
+from prometheus_client.registry import CollectorRegistry
+
+from kvpool.config import Config, load_config
 from kvpool.errors import ConfigError
 from kvpool.logs import STATUS_LOGGER, configure_logging, say
+
+if TYPE_CHECKING:
+    from kvpool.host.server import HostServer
+    from kvpool.metrics.http import MetricsServer
 
 status = logging.getLogger(STATUS_LOGGER)
 
@@ -30,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="override host.socket (the Unix socket engines "
                         "attach to)")
     parser.add_argument("--cache-dir", help="override cache_dir (where the SSD tier lives)")
+    parser.epilog = ("With server.metrics_port set, /healthz, /readyz and /metrics are served "
+                     "on it (server.host).")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -56,6 +64,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         say(cfg.log, logging.ERROR, f"kvpool host: cannot start: {exc}", "start_failed")
         return 1
     configure_logging(cfg.log)
+    try:
+        pages = _serve_pages(cfg, server)
+    except OSError as exc:
+        server.stop()
+        say(cfg.log, logging.ERROR, f"kvpool host: cannot serve server.metrics_port: {exc}",
+            "start_failed")
+        return 1
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -68,5 +83,24 @@ def run_from_args(args: argparse.Namespace) -> int:
     while not stop.wait(1.0):
         pass
     server.stop()
+    if pages is not None:
+        pages.close()
     status.info("host pool stopped", extra={"event": "stopped"})
     return 0
+
+
+def _serve_pages(cfg: Config, server: HostServer) -> MetricsServer | None:
+    """``/healthz``, ``/readyz`` and ``/metrics`` on ``server.metrics_port`` (unset: none),
+    the probes of a DaemonSet. ``/metrics`` is the tenant's pool's with one tenant (no
+    ``server.auth``); with several, only the host pool's health (their figures would share
+    names). Raises OSError when the port cannot be bound."""
+    port = cfg.server.metrics_port
+    if port is None:
+        return None
+    from kvpool.metrics.http import MetricsServer as Pages
+    from kvpool.server.health import health_pages
+    pools = server.tenants.pools()
+    registry = pools[0].pool.metrics if len(pools) == 1 else CollectorRegistry()
+    handlers = health_pages(server.readiness, list, cfg.cluster.name)
+    return Pages(registry, cfg.server.host, port,
+                 {k: v for k, v in handlers.items() if k in ("/healthz", "/readyz")})

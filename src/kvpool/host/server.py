@@ -96,6 +96,10 @@ class HostServer:
         self._accepter.start()
         return self
 
+    def readiness(self) -> str | None:
+        """None while attaches are served (``/readyz``), else why not."""
+        return "stopping" if self._stopped.is_set() else None
+
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():
             try:

@@ -126,6 +126,10 @@ class Tenants:
         capacity = int(pool.stats()["dram"]["capacity_bytes"])
         return TenantPool(tenant, pool, fd, capacity)
 
+    def pools(self) -> list[TenantPool]:
+        with self._lock:
+            return list(self._pools.values())
+
     def stats(self) -> dict[str, int]:
         """Per tenant: DRAM bytes held (the slots of resident chunks)."""
         with self._lock:
