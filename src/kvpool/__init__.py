@@ -11,6 +11,7 @@ from kvpool.errors import (
     PoolClosedError,
     UnknownNamespaceError,
 )
+from kvpool.host import open_pool
 from kvpool.keys import KVLayout, Namespace, chunk_keys
 from kvpool.pool import KVPool
 
@@ -32,4 +33,5 @@ __all__ = [
     "__version__",
     "chunk_keys",
     "load_config",
+    "open_pool",
 ]

@@ -1,4 +1,4 @@
-"""``kvpool`` command line: demo, plan, serve, monitor, admin, bench, config."""
+"""``kvpool`` command line: demo, plan, serve, host, monitor, admin, bench, config."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a storage node (DRAM + SSD over the network)")
     server_cli.add_serve_arguments(serve)
     serve.set_defaults(func=server_cli.serve_from_args)
+    from kvpool.host import cli as host_cli
+    host = sub.add_parser("host", help="run the host pool that the host's engine processes "
+                          "attach to (host.socket)")
+    host_cli.add_arguments(host)
+    host.set_defaults(func=host_cli.run_from_args)
     monitor = sub.add_parser("monitor", help="live view of /metrics endpoints: hit rate, "
                              "bandwidth, latency per tier")
     from kvpool.monitor import cli as monitor_cli
@@ -67,6 +72,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import serve as serve_bench
     serve_bench.add_arguments(serve_p)
     serve_p.set_defaults(func=serve_bench.run_from_args)
+    host_p = bench_sub.add_parser("host", help="an engine attached to the host pool vs an "
+                                  "in-process DRAM tier and a loopback storage node")
+    from kvpool.bench import host as host_bench
+    host_bench.add_arguments(host_p)
+    host_p.set_defaults(func=host_bench.run_from_args)
     trace_p = bench_sub.add_parser("trace", help="kvpool plan: a whole trace replayed "
                                    "through kvpool's policies, beside Belady")
     plan_cli.add_arguments(trace_p)

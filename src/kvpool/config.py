@@ -375,6 +375,24 @@ class QueryConfig(_Section):
     """The query API on a node's metrics port: /query, /query_by_hash (docs/routing.md)."""
 
     timeout_s: float = Field(2.0, gt=0, description="A cluster-wide query (scope: cluster) waits this long for each node; a node that does not answer in time is reported dead.")
+class HostConfig(_Section):
+    """One pool per host (docs/architecture.md, "The host pool"): ``kvpool host`` owns the
+    DRAM arena (a shared-memory file per tenant) and the SSD; an engine whose config sets
+    ``host.socket`` attaches to it (``kvpool.open_pool``) instead of opening its own tiers."""
+
+    socket: str | None = Field(None, description="Unix socket of the host pool. kvpool host listens on it; an engine's pool (kvpool.open_pool) with it set attaches to the host pool there: the DRAM arena is mapped into the engine, lookups, pins and reservations go over the socket, and the engine's own dram, ssd and cluster sections are not used. Unset: the embedded pool.")
+    tenant: str = Field("default", description="Tenant an engine attaches as; with server.auth on the host pool, host.token (or cluster.token) must list it. Its namespaces must belong to it (tenant_salt before the first ':'; without auth any).")
+    token: str | None = Field(None, description="Token an engine sends when it attaches (checked against the host pool's server.auth). Unset: cluster.token.")
+    shm_dir: str = Field("/dev/shm", description="Where kvpool host creates each tenant's arena file (mode 0600, unlinked once opened: engines receive it only as a file descriptor over the socket).")
+    allowed_uids: list[int] = Field(default_factory=list, description="Besides the host pool's own uid and root, the uids (SO_PEERCRED) allowed to attach. Others are refused before any token is read.")
+    connect_timeout_s: float = Field(1.0, gt=0, description="How long an engine waits to connect and attach; a host pool that is not there costs misses until it is.")
+    request_timeout_s: float = Field(5.0, gt=0, description="How long an engine waits for one answer from the host pool; past it the engine detaches (its pins and reservations die with the connection) and its calls are misses or dropped saves until it attaches again.")
+    retry_s: float = Field(1.0, gt=0, description="A detached engine tries to attach again at most this often (on its next call).")
+    unpin_delay_s: float = Field(0.002, gt=0, le=1, description="An engine tells the host pool which pins it released with its next request, or this long after the release if no request comes first: one wake-up of the host pool per read instead of two (measured here, 64 x 64 KiB reads on 2 loaded cores: the separate unpin write cost more than the copy). The slots stay pinned (not evictable) that much longer.")
+    max_held: int = Field(65536, ge=1, description="Pins and reservations one attached connection may hold at once; past it a pin is a miss and a reservation a dropped save.")
+    max_frame_bytes: Size = Field(256 << 20, description="Largest message on the socket (the byte fallbacks of reads and writes that find no DRAM slot carry payloads).")
+    populate: bool = Field(True, description="An engine faults its mapping of the arena in when it attaches (MAP_POPULATE), so its first reads pay no page faults.")
+    cuda_register: Literal["auto", "off"] = Field("auto", description="auto: when torch is already imported in the engine and sees a CUDA device, the mapped arena is registered as pinned host memory (cudaHostRegister through torch), so device copies from and to it run at pinned speed; off: never.")
 
 
 class Config(_Section):
@@ -390,6 +408,7 @@ class Config(_Section):
     log: LogConfig = Field(default_factory=lambda: LogConfig())
     events: EventsConfig = Field(default_factory=lambda: EventsConfig())
     query: QueryConfig = Field(default_factory=lambda: QueryConfig())
+    host: HostConfig = Field(default_factory=lambda: HostConfig())
 
     def ssd_path(self) -> Path:
         return Path(self.ssd.path).expanduser() if self.ssd.path else Path(self.cache_dir).expanduser() / "ssd"
@@ -436,7 +455,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 #: Settings whose values are secrets: ``kvpool config`` prints them as REDACTED.
-SECRET_KEYS = ("server.auth[].token", "server.admin_token", "cluster.token")
+SECRET_KEYS = ("server.auth[].token", "server.admin_token", "cluster.token", "host.token")
 REDACTED = "***"
 
 
@@ -451,6 +470,8 @@ def redact_secrets(data: dict[str, Any]) -> dict[str, Any]:
     cluster = out["cluster"] = {**data["cluster"]}
     if cluster.get("token") is not None:
         cluster["token"] = REDACTED
+    if data.get("host", {}).get("token") is not None:
+        out["host"] = {**data["host"], "token": REDACTED}
     return out
 
 

@@ -34,6 +34,11 @@ class PinnedView:
         self._tier, self._entry, self.data = tier, entry, data
         self._released = False
 
+    @property
+    def offset(self) -> int:
+        """Where the slot starts in the arena (a host pool tells attached engines)."""
+        return self._entry.offset
+
     def release(self) -> None:
         if not self._released:
             self._released = True
@@ -61,6 +66,11 @@ class SlotReservation:
     def __init__(self, tier: DramTier, key: bytes, entry: _Entry, view: memoryview) -> None:
         self._tier, self._key, self._entry, self.view = tier, key, entry, view
         self._done = False
+
+    @property
+    def offset(self) -> int:
+        """Where the slot starts in the arena (a host pool tells attached engines)."""
+        return self._entry.offset
 
     def commit(self) -> bool:
         """Publish the chunk (True). Its bytes must be complete: readers see them at once."""

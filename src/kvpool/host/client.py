@@ -1,0 +1,432 @@
+"""AttachedPool: the KVPool API of an engine process attached to its host's pool.
+
+The engine maps the host pool's DRAM arena (its tenant's) and asks over the Unix socket,
+one request per batch, for what only the host pool may decide: lookups, pins, reservations,
+commits. The bytes never cross the socket on the common paths: a read pins the chunks and
+copies them from the mapped arena into the caller's buffers (one copy), a write reserves
+slots and copies the caller's data straight into them (one copy) before the commit
+publishes them. Only chunks that find no DRAM slot on the host (everything pinned) travel in
+the frame (``get``/``put`` fallbacks).
+
+Failure contract, beside KVPool's (misuse raises the same errors): a host pool that is not
+there, died, or is silent past ``host.request_timeout_s`` is a miss for every read, a
+dropped save for every write (counted in ``stats()["attached"]``), never an exception or a
+wait beyond that timeout; the pool attaches again on a call at least ``host.retry_s`` after
+the last try, and registers its namespaces again. Pins and reservations of a lost
+connection are void (the host pool released them); a view pinned before stays readable (the
+mapping lives while it is held) until released. A refused attach (uid, token, tenant) raises
+AttachError from the constructor, and is logged and retried later on a re-attach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from prometheus_client.registry import CollectorRegistry
+
+from kvpool.buffers import byte_view
+from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
+from kvpool.config import Config, load_config
+from kvpool.counters import Counters
+from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
+from kvpool.host import wire
+from kvpool.host.link import AttachError, Detached, Link
+from kvpool.keys import Namespace
+
+log = logging.getLogger("kvpool.host")
+
+
+class AttachedView:
+    """A pinned, read-only view of a slot of the mapped arena (as PinnedView): the host pool
+    keeps the slot until ``release()``; release every one."""
+
+    __slots__ = ("_id", "_link", "_released", "data")
+
+    def __init__(self, link: Link, pin: int, data: memoryview) -> None:
+        self._link, self._id, self.data = link, pin, data
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.data.release()
+            self._link.unpin_later([self._id])
+
+    def __enter__(self) -> AttachedView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class AttachedReservation:
+    """Room for one chunk, filled in place through ``view`` (a slot of the mapped arena, or
+    a scratch buffer sent with the commit when the host found no slot); as
+    ChunkReservation: ``commit()`` or ``abort()``, the first wins."""
+
+    __slots__ = ("_done", "_id", "_link", "_pool", "_scratch", "key", "ns", "view")
+
+    def __init__(self, pool: AttachedPool, link: Link, rid: int, ns: Namespace, key: bytes,
+                 view: memoryview, scratch: bool) -> None:
+        self._pool, self._link, self._id = pool, link, rid
+        self.ns, self.key, self.view, self._scratch = ns, key, view, scratch
+        self._done = False
+
+    def take(self) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        return True
+
+    def commit(self) -> bool:
+        return True if self._done else self._pool.commit_many([self]) == 1
+
+    def abort(self) -> None:
+        if self.take():
+            self._link.send({"op": wire.ABORT, "ids": [self._id]})
+
+
+class AttachedPool:
+    """The pool of an engine attached to ``config.host.socket``. Attaches at once (a host
+    pool that is not there yet is not an error: misses until it is; one that refuses raises
+    AttachError)."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config if config is not None else load_config()
+        host = self.config.host
+        if not host.socket:
+            raise ArgumentError("host.socket is not set: use KVPool for an embedded pool")
+        self._token = host.token if host.token is not None else self.config.cluster.token
+        self._namespaces: dict[bytes, Namespace] = {}
+        self._lock = threading.Lock()
+        self._link_now: Link | None = None
+        self._next_try = 0.0
+        self._closed = False
+        self._counters = Counters("attaches", "detaches", "detached_misses",
+                                  "detached_drops", "misses", "dram_hits", "fallback_hits")
+        self.metrics = CollectorRegistry(auto_describe=False)
+        self.metrics_url: str | None = None
+        self._link(raise_refused=True)
+
+    # ------------------------------------------------------------------ the link
+    @property
+    def attached(self) -> bool:
+        link = self._link_now
+        return link is not None and not link.closed
+
+    @property
+    def durable_puts(self) -> bool:
+        link = self._link_now
+        return link is not None and link.durable
+
+    def _link(self, raise_refused: bool = False) -> Link | None:
+        """The live link, attaching when it is time to try again; None while detached."""
+        with self._lock:
+            if self._closed:
+                raise PoolClosedError("KVPool is closed")
+            link = self._link_now
+            if link is not None and not link.closed:
+                return link
+            if link is not None:
+                self._link_now = None
+                self._counters.add("detaches")
+                log.warning("detached from the host pool at %s", self.config.host.socket,
+                            extra={"event": "host_detached"})
+            now = time.monotonic()
+            if now < self._next_try:
+                return None
+            self._next_try = now + self.config.host.retry_s
+            try:
+                link = Link(self.config.host, self._token)
+            except Detached:
+                return None
+            except AttachError:
+                if raise_refused:
+                    raise
+                log.warning("the host pool refused the attach", exc_info=True)
+                return None
+            try:
+                for ns in list(self._namespaces.values()):
+                    link.call({"op": wire.NAMESPACE, "spec": ns.canonical()})
+            except Detached:
+                return None
+            except ArgumentError as exc:  # refused now: a setting changed on the host
+                log.warning("%s", exc)
+            self._link_now = link
+            self._counters.add("attaches")
+            return link
+
+    def _miss(self, n: int, what: str = "detached_misses") -> None:
+        if n:
+            self._counters.add(what, n)
+
+    # ------------------------------------------------------------------ namespaces
+    def register_namespace(self, ns: Namespace) -> Namespace:
+        """As KVPool's; raises ArgumentError when the host pool refuses it (a namespace of
+        another tenant, a chunk its arena cannot hold). While detached it is registered
+        with the host pool on the next attach."""
+        self._check_open()
+        check_namespace_type(ns)
+        link = self._link()
+        if link is not None:
+            with contextlib.suppress(Detached):
+                link.call({"op": wire.NAMESPACE, "spec": ns.canonical()})
+        self._namespaces[ns.id] = ns
+        return ns
+
+    def unregister_namespace(self, ns: Namespace) -> None:
+        self._namespaces.pop(ns.id, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("KVPool is closed")
+
+    def _registered(self, ns: Namespace, keys: Sequence[bytes] | None = None) -> Namespace:
+        self._check_open()
+        check_namespace_type(ns)
+        if ns.id not in self._namespaces:
+            raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
+                                        "registered; call register_namespace first")
+        if keys is not None:
+            check_keys(keys)
+        return ns
+
+    def _ask(self, op: str, ns: Namespace, keys: Sequence[bytes],
+             **extra: Any) -> tuple[Link, dict[str, Any], bytearray] | None:
+        """One batched request about ``keys``; None while detached."""
+        link = self._link()
+        if link is None:
+            return None
+        try:
+            meta, payload = link.call({"op": op, "ns": ns.id.hex(), "n": len(keys), **extra},
+                                      wire.pack_keys(keys))
+        except Detached:
+            return None
+        return link, meta, payload
+
+    # ------------------------------------------------------------------ writes
+    def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
+        return self.put_many(ns, [key], [data]) == 1
+
+    def put_many(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
+        """Reserve slots on the host, copy ``datas`` into them, commit: one copy, two round
+        trips. Counted as KVPool.put_many counts; a detached pool drops them (0)."""
+        self._registered(ns, keys)
+        check_same_length(keys, datas, "datas")
+        views = [byte_view(d) for d in datas]
+        for view in views:
+            check_size(ns, view, "data")
+        stored, filled = 0, []
+        for r, view in zip(self.reserve_many(ns, keys), views, strict=True):
+            if isinstance(r, AttachedReservation):
+                r.view[:] = view
+                filled.append(r)
+            else:
+                stored += bool(r)
+        return stored + (self.commit_many(filled) if filled else 0)
+
+    def reserve(self, ns: Namespace, key: bytes,
+                wait: bool = True) -> AttachedReservation | bool | None:
+        check_key(key)
+        return self.reserve_many(ns, [key], wait)[0]
+
+    def reserve_many(self, ns: Namespace, keys: Sequence[bytes],
+                     wait: bool = True) -> list[AttachedReservation | bool | None]:
+        """As KVPool's (True: already stored; False: dropped). The host pool may wait for a
+        slot up to its dram.put_wait_s whatever ``wait`` says. Detached: all False."""
+        self._registered(ns, keys)
+        asked = self._ask(wire.RESERVE, ns, keys)
+        if asked is None:
+            self._miss(len(keys), "detached_drops")
+            return [False] * len(keys)
+        link, meta, _ = asked
+        size = ns.chunk_bytes
+        out: list[AttachedReservation | bool | None] = []
+        for key, r in zip(keys, meta["res"], strict=True):
+            if isinstance(r, list):
+                rid, offset = r
+                scratch = offset < 0
+                view = memoryview(bytearray(size)) if scratch else link.view(offset, size)
+                out.append(AttachedReservation(self, link, rid, ns, key, view, scratch))
+            else:
+                out.append(bool(r))
+        return out
+
+    def commit_many(self, reservations: Sequence[AttachedReservation]) -> int:
+        """Publish filled reservations (one request per connection they were made on);
+        those of a lost connection count as dropped."""
+        taken = [r for r in reservations if r.take()]
+        stored = 0
+        by_link: dict[int, list[AttachedReservation]] = {}
+        for r in taken:
+            by_link.setdefault(id(r._link), []).append(r)
+        for group in by_link.values():
+            link = group[0]._link
+            puts: list[tuple[dict[str, Any], wire.Bytes]] = [
+                ({"op": wire.PUT, "id": r._id}, r.view) for r in group if r._scratch]
+            try:
+                meta, _ = link.call({"op": wire.COMMIT, "ids": [r._id for r in group]},
+                                    parts=puts)
+            except Detached:
+                self._miss(len(group), "detached_drops")
+                continue
+            stored += int(meta["n"])
+        return stored
+
+    # ------------------------------------------------------------------ reads
+    def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
+        return self.get_many_into(ns, [key], [out])[0]
+
+    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                      outs: Sequence[Any]) -> list[bool]:
+        """Pin on the host (reading SSD or node hits into free host slots first), copy from
+        the mapped arena into ``outs``, unpin: one round trip and one copy per chunk."""
+        self._registered(ns, keys)
+        check_same_length(keys, outs, "outs")
+        views = [byte_view(o, writable=True) for o in outs]
+        for view in views:
+            check_size(ns, view, "output buffer")
+        asked = self._ask(wire.PIN, ns, keys, fetch=True, read=True)
+        if asked is None:
+            self._miss(len(keys))
+            return [False] * len(keys)
+        link, meta, payload = asked
+        size = ns.chunk_bytes
+        found = [False] * len(keys)
+        pins: list[int] = []
+        pos = 0
+        try:
+            for i, p in enumerate(meta["pins"]):
+                if p == "t":
+                    views[i][:] = payload[pos:pos + size]
+                    pos += size
+                    found[i] = True
+                elif p is not None:
+                    pins.append(p[0])
+                    views[i][:] = link.view(p[1], size)
+                    found[i] = True
+        finally:
+            if pins:
+                link.unpin_later(pins)
+        hits = sum(found)
+        self._counters.add_many({"dram_hits": len(pins), "fallback_hits": hits - len(pins),
+                                 "misses": len(keys) - hits})
+        return found
+
+    def pin_many(self, ns: Namespace, keys: Sequence[bytes],
+                 fetch: bool = False) -> list[AttachedView | None]:
+        """Zero-copy read-only views of the chunks the host's DRAM holds (``fetch``: lower
+        tiers' chunks read into free host slots first); None for the others, and for all
+        while detached. Release every view."""
+        self._registered(ns, keys)
+        asked = self._ask(wire.PIN, ns, keys, fetch=fetch)
+        if asked is None:
+            self._miss(len(keys))
+            return [None] * len(keys)
+        link, meta, _ = asked
+        size = ns.chunk_bytes
+        return [None if p is None else
+                AttachedView(link, p[0], link.view(p[1], size).toreadonly())
+                for p in meta["pins"]]
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> Future[int] | None:
+        """Ask the host pool to move the leading run of ``keys`` up into its DRAM (its
+        lookup with read-ahead); returns None (nothing to wait for here)."""
+        self.lookup(ns, keys, prefetch=len(keys))
+        return None
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], *, prefetch: int = 0) -> int:
+        """The host pool's lookup (its read-ahead with ``prefetch``); 0 while detached."""
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 chunks, got {prefetch}")
+        self._registered(ns, keys)
+        asked = self._ask(wire.LOOKUP, ns, keys, prefetch=prefetch)
+        return 0 if asked is None else int(asked[1]["n"])
+
+    def contains(self, ns: Namespace, key: bytes) -> bool:
+        check_key(key)
+        return self.contains_many(ns, [key])[0]
+
+    def contains_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        self._registered(ns, keys)
+        asked = self._ask(wire.CONTAINS, ns, keys)
+        return [False] * len(keys) if asked is None else [bool(f) for f in asked[1]["flags"]]
+
+    def count_misses(self, ns: Namespace, n: int) -> None:
+        self._miss(max(n, 0), "misses")
+
+    def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        self._registered(ns, keys)
+        asked = self._ask(wire.TOUCH, ns, keys)
+        return 0 if asked is None else int(asked[1]["n"])
+
+    # ------------------------------------------------------------------ removal
+    def delete(self, ns: Namespace, key: bytes) -> bool:
+        """Remove a chunk from the host pool's tiers; False while detached."""
+        check_key(key)
+        self._registered(ns)
+        asked = self._ask(wire.DELETE, ns, [key])
+        return asked is not None and int(asked[1]["n"]) > 0
+
+    def invalidate(self, ns: Namespace | bytes) -> int:
+        """Drop every chunk of a namespace this pool registered; 0 while detached."""
+        self._check_open()
+        known = ns if isinstance(ns, Namespace) else self._namespaces.get(bytes(ns))
+        if known is None or known.id not in self._namespaces:
+            return 0
+        asked = self._ask(wire.INVALIDATE, known, [])
+        return 0 if asked is None else int(asked[1]["n"])
+
+    # ------------------------------------------------------------------ admin
+    def flush(self, timeout: float | None = None) -> bool:
+        """The host pool's flush (its write-behind queues); True while detached."""
+        self._check_open()
+        link = self._link()
+        if link is None:
+            return True
+        try:
+            meta, _ = link.call({"op": wire.FLUSH, "timeout": timeout})
+        except Detached:
+            return True
+        return bool(meta["done"])
+
+    def stats(self) -> dict[str, Any]:
+        """This engine's own figures under ``attached``; the host pool's tenant pool's
+        (KVPool.stats) beside them while attached."""
+        self._check_open()
+        out: dict[str, Any] = {}
+        link = self._link()
+        if link is not None:
+            with contextlib.suppress(Detached):
+                out = link.call({"op": wire.STATS})[0]["stats"]
+        out["attached"] = {**self._counters.snapshot(), "attached": self.attached}
+        return out
+
+    def record_latency(self, enabled: bool) -> None:
+        """Latency histograms live in the host pool; a no-op here."""
+
+    def close(self) -> None:
+        """Detach (the host pool releases this connection's pins and reservations).
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            link, self._link_now = self._link_now, None
+        if link is not None:
+            link.close()
+
+    def __enter__(self) -> AttachedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

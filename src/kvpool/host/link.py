@@ -1,0 +1,166 @@
+"""An engine's live attachment to the host pool: the socket and the mapped arena.
+
+A Link is one connection's worth of state: a new one is made at each (re-)attach, so pins
+and reservations made on an old connection are recognised as stale by their link (their
+ids mean nothing to the new connection, and the host pool released them when the old one
+closed). ``call`` raises ``Detached`` for any failure of the socket (host pool dead,
+stopped, or silent past ``host.request_timeout_s``); the pool then drops the link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import socket
+import threading
+import time
+from typing import Any
+
+from kvpool.config import HostConfig
+from kvpool.errors import ArgumentError, KVPoolError
+from kvpool.host import wire
+from kvpool.host.cuda import register_host_memory, unregister_host_memory
+from kvpool.tiers.prefault import map_address
+
+
+class Detached(KVPoolError):
+    """The host pool is not reachable now: the caller answers a miss or a dropped save."""
+
+
+class AttachError(KVPoolError):
+    """The host pool refused the attach (uid, token, tenant): a setting to fix."""
+
+
+class Link:
+    def __init__(self, host: HostConfig, token: str | None) -> None:
+        assert host.socket is not None
+        self._host = host
+        self._lock = threading.Lock()
+        self.closed = False
+        self._unpins: list[int] = []  # released pins not yet told to the host pool
+        self._unpins_due = threading.Condition(self._lock)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(host.connect_timeout_s)
+            self.sock.connect(host.socket)
+            wire.send_frame(self.sock, {"op": wire.HELLO, "token": token,
+                                        "tenant": host.tenant})
+            meta, _, fds = wire.recv_frame(self.sock, 0, want_fds=1)
+        except (OSError, ConnectionError) as exc:
+            self.sock.close()
+            raise Detached(f"cannot attach to the host pool at {host.socket}: {exc}") from None
+        if not meta.get("ok") or len(fds) != 1:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    socket.close(fd)
+            self.sock.close()
+            raise AttachError(f"host pool at {host.socket} refused the attach: "
+                              f"{meta.get('error', 'no arena sent')}")
+        self.tenant = str(meta["tenant"])
+        self.durable = bool(meta.get("durable"))
+        self.arena_bytes = int(meta["arena_bytes"])
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if host.populate else 0)
+        try:
+            self.mapping = mmap.mmap(fds[0], self.arena_bytes, flags=flags,
+                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            self.sock.close()
+            raise Detached(f"cannot map the host pool's arena: {exc}") from None
+        finally:
+            socket.close(fds[0])
+        self.sock.settimeout(host.request_timeout_s)
+        threading.Thread(target=self._flush_unpins, name="kvpool-host-unpin",
+                         daemon=True).start()
+        self.address = map_address(self.mapping)
+        self.cuda = host.cuda_register == "auto" and \
+            register_host_memory(self.address, self.arena_bytes)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """The arena bytes of a slot; ValueError for a range outside the arena (a
+        host pool never sends one)."""
+        if offset < 0 or offset + nbytes > self.arena_bytes:
+            raise ValueError(f"slot [{offset}, {offset + nbytes}) outside the arena")
+        return memoryview(self.mapping)[offset:offset + nbytes]
+
+    def call(self, meta: dict[str, Any], tail: wire.Bytes = b"",
+             parts: list[tuple[dict[str, Any], wire.Bytes]] | None = None
+             ) -> tuple[dict[str, Any], bytearray]:
+        """Send the pending unpins and ``parts`` (frames with no answer), then the request,
+        in one write where they are small; its answer. Detached on a socket failure (the
+        link is closed)."""
+        with self._lock:
+            if self.closed:
+                raise Detached("the host pool connection is closed")
+            frames = list(parts or ())
+            if self._unpins:
+                frames.insert(0, ({"op": wire.UNPIN, "ids": self._unpins}, b""))
+                self._unpins = []
+            try:
+                wire.send_frames(self.sock, [*frames, (meta, tail)])
+                answer, payload, _ = wire.recv_frame(self.sock, self._host.max_frame_bytes)
+            except (OSError, ConnectionError) as exc:
+                self._close_locked()
+                raise Detached(f"host pool connection lost: {exc}") from None
+        if not answer.get("ok"):
+            raise ArgumentError(f"host pool refused {meta.get('op')}: {answer.get('error')}")
+        return answer, payload
+
+    def unpin_later(self, ids: list[int]) -> None:
+        """Release pins: told to the host pool with the next request, or by this link's
+        flusher thread ``host.unpin_delay_s`` later if none comes (one wake-up of the host
+        pool per read instead of two). Pins of a closed link were released by the host pool
+        already."""
+        with self._lock:
+            if self.closed:
+                return
+            if not self._unpins:
+                self._unpins_due.notify()
+            self._unpins.extend(ids)
+
+    def _flush_unpins(self) -> None:
+        """The flusher thread: sends pins released ``host.unpin_delay_s`` ago that no
+        request carried meanwhile; ends when the link closes."""
+        delay = self._host.unpin_delay_s
+        with self._lock:
+            while not self.closed:
+                if not self._unpins:
+                    self._unpins_due.wait()
+                    continue
+                deadline = time.monotonic() + delay
+                while self._unpins and not self.closed:  # a request may take them first
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._unpins_due.wait(left)
+                if self._unpins and not self.closed:
+                    ids, self._unpins = self._unpins, []
+                    try:
+                        wire.send_frame(self.sock, {"op": wire.UNPIN, "ids": ids})
+                    except OSError:
+                        self._close_locked()
+
+    def send(self, meta: dict[str, Any], tail: wire.Bytes = b"") -> None:
+        """A frame with no answer (unpin, abort, put); a failure detaches quietly."""
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                wire.send_frame(self.sock, meta, tail)
+            except OSError:
+                self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._unpins_due.notify_all()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.cuda:
+            unregister_host_memory(self.address)
+        with contextlib.suppress(BufferError):
+            self.mapping.close()  # views still held keep it mapped until released
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()

@@ -1,0 +1,200 @@
+"""One attached engine's connection, on the host pool's side: its namespaces, and the pins
+and reservations it holds, which belong to the connection and die with it.
+
+``handle`` serves one request against the tenant's pool and returns the answer (None for
+the ops that have none). Misuse (an unknown namespace, a namespace of another tenant, a
+malformed request) is answered ``ok: false`` with the reason; the connection stays up.
+``close`` releases every pin and aborts every reservation, whatever state the engine died
+in (a SIGKILL mid-save leaves reservations that are never committed: they are aborted
+here, and no reader ever saw their slots).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.errors import KVPoolError
+from kvpool.host import wire
+from kvpool.host.tenants import SHARED_TENANT, TenantPool
+from kvpool.keys import Namespace
+from kvpool.pool import ChunkReservation
+from kvpool.tiers.slots import PinnedView
+
+Answer = tuple[dict[str, Any], bytes | bytearray | memoryview]
+
+
+class Refused(KVPoolError):
+    """A request this connection may not make; answered ``ok: false``."""
+
+
+class Session:
+    def __init__(self, tenant: TenantPool, max_held: int, max_payload: int) -> None:
+        self.tenant = tenant
+        self.pool = tenant.pool
+        self._max_held = max_held
+        self._max_payload = max_payload  # an answer's tail stays within the peer's limit
+        self._namespaces: dict[str, Namespace] = {}
+        self._pins: dict[int, PinnedView] = {}
+        self._reservations: dict[int, ChunkReservation] = {}
+        self._next = 0
+
+    @property
+    def held(self) -> int:
+        return len(self._pins) + len(self._reservations)
+
+    def _id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def _ns(self, meta: dict[str, Any]) -> Namespace:
+        ns = self._namespaces.get(str(meta.get("ns")))
+        if ns is None:
+            raise Refused(f"namespace {meta.get('ns')!r} is not registered on this connection")
+        return ns
+
+    def _keys(self, meta: dict[str, Any], tail: bytearray) -> list[bytes]:
+        n = meta.get("n")
+        if not isinstance(n, int):
+            raise Refused("n must be an integer")
+        try:
+            return wire.unpack_keys(tail, n)
+        except wire.WireError as exc:
+            raise Refused(str(exc)) from None
+
+    def _ids(self, meta: dict[str, Any]) -> list[int]:
+        ids = meta.get("ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise Refused("ids must be a list of integers")
+        return ids
+
+    def handle(self, meta: dict[str, Any], tail: bytearray) -> Answer | None:
+        op = meta.get("op")
+        handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise Refused(f"unknown op {op!r}")
+            answer: Answer | None = handler(meta, tail)
+        except (Refused, KVPoolError, ValueError, TypeError) as exc:
+            if op in wire.NO_ANSWER:
+                return None
+            return {"ok": False, "error": str(exc), "kind": type(exc).__name__}, b""
+        return answer
+
+    # ------------------------------------------------------------------ ops
+    def _op_ns(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        ns = Namespace.from_canonical(meta.get("spec"))
+        if self.tenant.name != SHARED_TENANT and ns.tenant != self.tenant.name:
+            raise Refused(f"namespace of tenant {ns.tenant!r} on a connection of tenant "
+                          f"{self.tenant.name!r}")
+        self.pool.register_namespace(ns)
+        self._namespaces[ns.id.hex()] = ns
+        return {"ok": True}, b""
+
+    def _op_lookup(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        prefetch = meta.get("prefetch", 0)
+        n = self.pool.lookup(self._ns(meta), self._keys(meta, tail),
+                             prefetch=prefetch if isinstance(prefetch, int) else 0)
+        return {"ok": True, "n": n}, b""
+
+    def _op_contains(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        flags = self.pool.contains_many(self._ns(meta), self._keys(meta, tail))
+        return {"ok": True, "flags": flags}, b""
+
+    def _op_pin(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        """Pin what DRAM holds (``fetch``: reading lower tiers' chunks into free slots
+        first); with ``read``, the chunks left unpinned are read into scratch and sent in
+        the tail (a miss there is counted as the pool's get counts it), as many as fit in
+        ``host.max_frame_bytes``: the rest stay misses."""
+        ns, keys = self._ns(meta), self._keys(meta, tail)
+        views = self.pool.pin_many(ns, keys, fetch=bool(meta.get("fetch")))
+        out: list[Any] = []
+        for view in views:
+            if view is None:
+                out.append(None)
+            elif self.held >= self._max_held:
+                view.release()
+                out.append(None)
+            else:
+                pin = self._id()
+                self._pins[pin] = view
+                out.append([pin, view.offset])
+        payload = bytearray()
+        if meta.get("read"):
+            fit = self._max_payload // ns.chunk_bytes
+            missing = [i for i, v in enumerate(out) if v is None][:fit]
+            if missing:
+                scratch = [bytearray(ns.chunk_bytes) for _ in missing]
+                found = self.pool.get_many_into(ns, [keys[i] for i in missing], scratch)
+                for i, buf, hit in zip(missing, scratch, found, strict=True):
+                    if hit:
+                        out[i] = "t"
+                        payload += buf
+        return {"ok": True, "pins": out}, payload
+
+    def _op_unpin(self, meta: dict[str, Any], tail: bytearray) -> None:
+        for pin in self._ids(meta):
+            view = self._pins.pop(pin, None)
+            if view is not None:
+                view.release()
+
+    def _op_reserve(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        ns, keys = self._ns(meta), self._keys(meta, tail)
+        room = self._max_held - self.held
+        got = self.pool.reserve_many(ns, keys[:max(room, 0)])
+        out: list[Any] = []
+        for r in got:
+            if isinstance(r, ChunkReservation):
+                rid = self._id()
+                self._reservations[rid] = r
+                out.append([rid, r.slot.offset if r.slot is not None else -1])
+            else:
+                out.append(1 if r else 0)
+        out.extend([0] * (len(keys) - len(got)))  # past max_held: dropped
+        return {"ok": True, "res": out}, b""
+
+    def _op_put(self, meta: dict[str, Any], tail: bytearray) -> None:
+        """The payload of a reservation that got no arena slot (scratch), before its commit."""
+        r = self._reservations.get(meta.get("id", -1))
+        if r is not None and r.slot is None and len(tail) == r.view.nbytes:
+            r.view[:] = tail
+
+    def _op_commit(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        taken = [r for rid in self._ids(meta)
+                 if (r := self._reservations.pop(rid, None)) is not None]
+        return {"ok": True, "n": self.pool.commit_many(taken) if taken else 0}, b""
+
+    def _op_abort(self, meta: dict[str, Any], tail: bytearray) -> None:
+        for rid in self._ids(meta):
+            r = self._reservations.pop(rid, None)
+            if r is not None:
+                r.abort()
+
+    def _op_delete(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        ns = self._ns(meta)
+        return {"ok": True, "n": sum(self.pool.delete(ns, k)
+                                     for k in self._keys(meta, tail))}, b""
+
+    def _op_invalidate(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        return {"ok": True, "n": self.pool.invalidate(self._ns(meta))}, b""
+
+    def _op_touch(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        return {"ok": True, "n": self.pool.touch(self._ns(meta), self._keys(meta, tail))}, b""
+
+    def _op_flush(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        timeout = meta.get("timeout")
+        return {"ok": True, "done": self.pool.flush(
+            float(timeout) if isinstance(timeout, int | float) else None)}, b""
+
+    def _op_stats(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        stats = self.pool.stats()
+        stats["host"] = {"tenant": self.tenant.name, "held": self.held}
+        return {"ok": True, "stats": stats}, b""
+
+    def close(self) -> None:
+        """Release every pin, abort every reservation. Idempotent; never raises."""
+        pins, self._pins = list(self._pins.values()), {}
+        reservations, self._reservations = list(self._reservations.values()), {}
+        for view in pins:
+            view.release()
+        for r in reservations:
+            r.abort()
