@@ -375,6 +375,8 @@ class QueryConfig(_Section):
     """The query API on a node's metrics port: /query, /query_by_hash (docs/routing.md)."""
 
     timeout_s: float = Field(2.0, gt=0, description="A cluster-wide query (scope: cluster) waits this long for each node; a node that does not answer in time is reported dead.")
+
+
 class HostConfig(_Section):
     """One pool per host (docs/architecture.md, "The host pool"): ``kvpool host`` owns the
     DRAM arena (a shared-memory file per tenant) and the SSD; an engine whose config sets
