@@ -27,6 +27,11 @@ def _build_parser() -> argparse.ArgumentParser:
                           "and cost per tier size and policy, beside Belady")
     plan_cli.add_arguments(plan)
     plan.set_defaults(func=plan_cli.run_from_args)
+    route = sub.add_parser("route", help="KV-aware OpenAI proxy in front of N engines: each "
+                           "request to the engine holding most of its prefix")
+    from kvpool.route import cli as route_cli
+    route_cli.add_arguments(route)
+    route.set_defaults(func=route_cli.run_from_args)
     from kvpool.server import cli as server_cli
     serve = sub.add_parser("serve", help="run a storage node (DRAM + SSD over the network)")
     server_cli.add_serve_arguments(serve)
