@@ -226,3 +226,52 @@ def test_host_pool_events_credit_their_engine() -> None:
                 await e.stop()
             host.close()
     _run(body)
+
+
+def test_route_command_serves_and_stops_on_sigterm() -> None:
+    """``kvpool route`` as its own process: bad options exit 2; it proxies to a real engine
+    socket and exits 0 on SIGTERM."""
+    import os
+    import signal
+    import socket
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())",
+           "route"]
+    from kvpool.cli import main
+    assert main(["route", "--engine", "ftp://x"]) == 2
+    assert main(["route", "--engine", "http://x,events"]) == 2
+    assert main(["route", "--engine", "http://x", "--namespace-id", "abcd"]) == 2
+
+    async def body() -> None:
+        engine = FakeEngine("e0")
+        url = await engine.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, "--engine", url, "--port", str(port), env=env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            async def up() -> bool:
+                try:
+                    async with aiohttp.ClientSession() as s, s.get(
+                            f"http://127.0.0.1:{port}/healthz") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+            for _ in range(600):
+                if await up():
+                    break
+                await asyncio.sleep(0.1)
+            status, engine_name, out = await _post(port, {"model": "m", "prompt": PROMPT})
+            assert (status, engine_name, json.loads(out)["engine"]) == (200, "engine0", "e0")
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 60) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await engine.stop()
+    _run(body)
