@@ -60,7 +60,8 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(3):
-            await resp.write(f"data: {json.dumps({'engine': self.name, 'i': i})}\n\n".encode())
+            chunk = {"engine": self.name, "i": i, "choices": [{"text": f"t{i}"}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(0.01)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

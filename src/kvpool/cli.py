@@ -72,6 +72,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import serve as serve_bench
     serve_bench.add_arguments(serve_p)
     serve_p.set_defaults(func=serve_bench.run_from_args)
+    route_p = bench_sub.add_parser("route", help="two vLLM CPU servers behind kvpool route: "
+                                   "KV-aware routing vs round robin TTFT")
+    from kvpool.bench import route as route_bench
+    route_bench.add_arguments(route_p)
+    route_p.set_defaults(func=route_bench.run_from_args)
     trace_p = bench_sub.add_parser("trace", help="kvpool plan: a whole trace replayed "
                                    "through kvpool's policies, beside Belady")
     plan_cli.add_arguments(trace_p)
