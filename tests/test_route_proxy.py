@@ -136,6 +136,7 @@ def test_restart_and_lost_event_reset_the_engine_index() -> None:
                 assert (f'kvpool_route_index_resets_total{{reason="{reason}",'
                         f'source="engine1"}} 1.0') in text
             assert "kvpool_route_index_lag_seconds" in text
+            assert "kvpool_route_index_delay_seconds" in text
     _run(body)
 
 

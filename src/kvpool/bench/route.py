@@ -161,8 +161,9 @@ def run_route_bench(load: RouteWorkload, work: Path) -> dict[str, Any]:
     routers: dict[str, RouterProcess] = {}
     try:
         for i in range(2):
+            # "*": vLLM binds a wildcard endpoint (it connects to any other).
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                   "endpoint": f"tcp://127.0.0.1:{events[i]}", "topic": ""}
+                   "endpoint": f"tcp://*:{events[i]}", "topic": ""}
             servers.append(Server(python, model, work / f"engine{i}", None,
                                   env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
                                   extra_args=("--kv-events-config", json.dumps(cfg))))
@@ -186,6 +187,11 @@ def run_route_bench(load: RouteWorkload, work: Path) -> dict[str, Any]:
         same = all(streamed(servers[0].port, model, r["prompt"], load.output_len)[1]
                    == r["text"] for rows in passes.values() for r in rows)
         decisions = routers["kv"].metrics()
+        indexed = [ln for ln in decisions.splitlines()
+                   if ln.startswith("kvpool_route_index_blocks") and not ln.endswith(" 0.0")]
+        if not indexed:
+            raise BenchFailure("the kv router indexed no block from the engines' KV events "
+                               "(a measurement of least-loaded routing, not of kv routing)")
     finally:
         for r in routers.values():
             r.stop()
@@ -201,7 +207,8 @@ def run_route_bench(load: RouteWorkload, work: Path) -> dict[str, Any]:
                              [r["ttft_s"] for r in passes["round_robin"]]),
             "outputs_identical": same, "targets": dict(TARGETS),
             "kv_router_decisions": [ln for ln in decisions.splitlines()
-                                    if ln.startswith("kvpool_route_decisions_total")]}
+                                    if ln.startswith("kvpool_route_decisions_total")],
+            "kv_router_index_blocks": indexed}
 
 
 def _print(report: dict[str, Any]) -> None:

@@ -46,6 +46,7 @@ class SourceState:
     incarnation: str | None = None
     last_event_ts: float = 0.0  # the publisher's timestamp of the last batch applied
     last_applied: float = 0.0  # local time.time() of the last batch applied
+    delay_s: float = 0.0  # last_applied - last_event_ts: how late the last batch arrived
     resets: dict[str, int] = field(default_factory=dict)
 
     def admit(self, seq: int, incarnation: str | None) -> str | None:
@@ -106,6 +107,7 @@ class _Index:
             self._event(ev)
         self.state.last_event_ts = ts
         self.state.last_applied = time.time()
+        self.state.delay_s = max(0.0, self.state.last_applied - ts)
 
     def _event(self, ev: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -113,6 +113,9 @@ class Router:
                          ["engine"], registry=self.registry)
         self._lag = Gauge("kvpool_route_index_lag_seconds", "Seconds since the last KV-event "
                           "batch applied, per source.", ["source"], registry=self.registry)
+        self._delay = Gauge("kvpool_route_index_delay_seconds", "How late the last KV-event "
+                            "batch arrived (applied minus the publisher's timestamp), per "
+                            "source.", ["source"], registry=self.registry)
         self._blocks = Gauge("kvpool_route_index_blocks", "Blocks or chunks an index holds.",
                              ["source"], registry=self.registry)
         self.engines = [
@@ -336,6 +339,7 @@ class Router:
         for ix in [e.index for e in self.engines] + [h for e in self.engines for h in e.hosts] \
                 + self.storage:
             self._lag.labels(ix.state.name).set(ix.lag_s())
+            self._delay.labels(ix.state.name).set(ix.state.delay_s)
             self._blocks.labels(ix.state.name).set(len(ix))
         return web.Response(body=generate_latest(self.registry),
                             content_type="text/plain", charset="utf-8")
