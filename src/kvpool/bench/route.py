@@ -10,8 +10,12 @@ documents (another seed), so neither pass finds the other's prefixes in the engi
 The first question of a document is a miss under any policy; the later ones hit when they
 land on the engine that already holds the document.
 
-After both passes every routed request is sent again straight to one engine: its text must
-equal the routed answer (``outputs_identical``).
+After both passes every routed request is sent again straight to engine 0: its text is kept
+beside the routed answer (``direct_text``) and ``outputs_identical`` says whether all match.
+Measured once here (bf16, 4 output tokens of random-token prompts): they did not all match;
+bf16 results depend on how much of the prompt came from the prefix cache (the chunk of
+prompt computed differs between the routed and the direct request), see
+shared/notes/vllm-cpu.md. Not yet told apart from a routing fault.
 
 Set-up measured: engines with only their own prefix caches (``route_ttft_p50_vs_round_robin``,
 target <= 0.6). Not measured here: both engines attached to one kvpool host pool
@@ -184,8 +188,12 @@ def run_route_bench(load: RouteWorkload, work: Path) -> dict[str, Any]:
                              "prompt": prompt})
             passes[policy] = rows
         say("outputs: every routed request again, straight to engine0")
-        same = all(streamed(servers[0].port, model, r["prompt"], load.output_len)[1]
-                   == r["text"] for rows in passes.values() for r in rows)
+        for rows in passes.values():
+            for r in rows:
+                r["direct_text"] = streamed(servers[0].port, model, r["prompt"],
+                                            load.output_len)[1]
+        mismatched = sum(r["direct_text"] != r["text"] for rows in passes.values()
+                         for r in rows)
         decisions = routers["kv"].metrics()
         indexed = [ln for ln in decisions.splitlines()
                    if ln.startswith("kvpool_route_index_blocks") and not ln.endswith(" 0.0")]
@@ -205,7 +213,8 @@ def run_route_bench(load: RouteWorkload, work: Path) -> dict[str, Any]:
                            for p, rows in passes.items()},
             "ratios": ratios([r["ttft_s"] for r in passes["kv"]],
                              [r["ttft_s"] for r in passes["round_robin"]]),
-            "outputs_identical": same, "targets": dict(TARGETS),
+            "outputs_identical": mismatched == 0, "outputs_mismatched": mismatched,
+            "targets": dict(TARGETS),
             "kv_router_decisions": [ln for ln in decisions.splitlines()
                                     if ln.startswith("kvpool_route_decisions_total")],
             "kv_router_index_blocks": indexed}
@@ -222,7 +231,9 @@ def _print(report: dict[str, Any]) -> None:
               f"(each, ms: {ttfts})")
     for line in report["kv_router_decisions"]:
         print(f"  {line}")
-    print(f"outputs identical to a direct request: {report['outputs_identical']}")
+    n = sum(len(rows) for rows in report["passes"].values())
+    print(f"outputs identical to a direct request: {report['outputs_identical']} "
+          f"({n - report['outputs_mismatched']} of {n}; each pass's rows keep both texts)")
     for name, value in report["ratios"].items():
         target = report["targets"].get(name)
         print(f"{name}: {value:.3f}" + (f" (target {target})" if target else ""))
