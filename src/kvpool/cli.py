@@ -27,6 +27,11 @@ def _build_parser() -> argparse.ArgumentParser:
                           "and cost per tier size and policy, beside Belady")
     plan_cli.add_arguments(plan)
     plan.set_defaults(func=plan_cli.run_from_args)
+    route = sub.add_parser("route", help="KV-aware OpenAI proxy in front of N engines: each "
+                           "request to the engine holding most of its prefix")
+    from kvpool.route import cli as route_cli
+    route_cli.add_arguments(route)
+    route.set_defaults(func=route_cli.run_from_args)
     from kvpool.server import cli as server_cli
     serve = sub.add_parser("serve", help="run a storage node (DRAM + SSD over the network)")
     server_cli.add_serve_arguments(serve)
@@ -77,6 +82,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvpool.bench import host as host_bench
     host_bench.add_arguments(host_p)
     host_p.set_defaults(func=host_bench.run_from_args)
+    route_p = bench_sub.add_parser("route", help="two vLLM CPU servers behind kvpool route: "
+                                   "KV-aware routing vs round robin TTFT")
+    from kvpool.bench import route as route_bench
+    route_bench.add_arguments(route_p)
+    route_p.set_defaults(func=route_bench.run_from_args)
     trace_p = bench_sub.add_parser("trace", help="kvpool plan: a whole trace replayed "
                                    "through kvpool's policies, beside Belady")
     plan_cli.add_arguments(trace_p)

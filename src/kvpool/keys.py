@@ -223,3 +223,17 @@ def chunk_keys(namespace_id: bytes, token_ids: Sequence[int] | np.ndarray,
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def next_chunk_key(namespace_id: bytes, prev: bytes | None,
+                   token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """The chained key after ``prev`` (None: the first chunk) for one chunk's ``token_ids``:
+    ``chunk_keys`` one step at a time, for a consumer that learns chunks one by one (a
+    router rebuilding keys from an engine's KV events). Raises ValueError as ``chunk_keys``."""
+    if len(namespace_id) != KEY_BYTES:
+        raise ValueError(f"namespace id must be {KEY_BYTES} bytes, got {len(namespace_id)}")
+    h = xxhash.xxh3_128()
+    h.update(namespace_id)
+    h.update(_ZERO_KEY if prev is None else prev)
+    h.update(_as_uint32_le(token_ids).data.cast("B"))
+    return h.digest()

@@ -91,7 +91,7 @@ class Server:
 
     def __init__(self, python: str, model: str, run_dir: Path, connector: dict[str, Any] | None,
                  prefix_caching: bool = True, max_model_len: int = 8192,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.model = model
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +112,7 @@ class Server:
             cmd.append("--no-enable-prefix-caching")
         if connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(connector)]
+        cmd += extra_args
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=full_env, cwd=run_dir, stdout=self._log,

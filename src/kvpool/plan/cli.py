@@ -7,12 +7,16 @@ import math
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpool.config import parse_size
 from kvpool.plan import cost
 from kvpool.plan.planner import PlanSettings, plan
-from kvpool.plan.trace import SOURCE_BLOCK, read_trace
+from kvpool.plan.trace import SOURCE_BLOCK, Trace, read_trace
 from kvpool.policy import ADMISSION_POLICIES, EVICTION_NAMES, EVICTION_POLICIES, SEGMENT_POLICIES
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 DEFAULT_DRAM = ("5%", "10%", "25%", "50%", "100%")
 DEFAULT_SSD = ("0", "100%")
@@ -27,6 +31,7 @@ _COST_FLAGS = {  # CostModel field -> help
     "engine_hour_usd": "price of one engine-hour, USD (also --gpu-hour-usd)",
     "dram_gib_month_usd": "DRAM price per GiB-month, USD",
     "ssd_gib_month_usd": "SSD price per GiB-month, USD",
+    "decode_s_per_token": "decode seconds per output token (with --engines)",
 }
 
 
@@ -97,6 +102,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the results as JSON to PATH")
     parser.add_argument("--plot", metavar="DIR", type=Path, default=None,
                         help="write PNG charts into DIR (needs matplotlib: the hf extra)")
+    _add_routing_arguments(parser)
+
+
+def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpool.plan import routing
+    from kvpool.route.policy import (
+        DEFAULT_LOAD_TOKENS,
+        DEFAULT_OVERLOAD,
+        POLICY_NAMES,
+        TierWeights,
+    )
+    w = TierWeights()
+    group = parser.add_argument_group(
+        "routing", "with --engines: replay the trace across N engines under each routing "
+        "policy instead of the tier-size grid (docs/routing.md)")
+    group.add_argument("--engines", metavar="N", type=int, default=None,
+                       help="engines, each with its own engine cache and host pool, over one "
+                            "shared storage tier")
+    group.add_argument("--routing", metavar="NAME", nargs="+", choices=POLICY_NAMES,
+                       default=list(routing.DEFAULT_ROUTING),
+                       help=f"policies to compare (default {' '.join(routing.DEFAULT_ROUTING)})")
+    group.add_argument("--engine-cache", metavar="SIZE", default=routing.DEFAULT_ENGINE_CACHE,
+                       help="each engine's own prefix cache: bytes or %% of the trace's "
+                            "distinct chunks (default "
+                            f"{_escaped((routing.DEFAULT_ENGINE_CACHE,))})")
+    group.add_argument("--host-pool", metavar="SIZE", default=routing.DEFAULT_HOST_POOL,
+                       help="each engine's kvpool host pool, as --engine-cache (default "
+                            f"{_escaped((routing.DEFAULT_HOST_POOL,))})")
+    group.add_argument("--storage", metavar="SIZE", default=routing.DEFAULT_STORAGE,
+                       help="the shared storage tier, as --engine-cache (default "
+                            f"{_escaped((routing.DEFAULT_STORAGE,))})")
+    group.add_argument("--tier-weights", metavar=("ENGINE", "HOST", "STORAGE"), nargs=3,
+                       type=float, default=[w.engine, w.host, w.storage],
+                       help="credit per cached token by tier (default "
+                            f"{w.engine} {w.host} {w.storage})")
+    group.add_argument("--load-tokens", metavar="TOKENS", type=float,
+                       default=DEFAULT_LOAD_TOKENS,
+                       help="kv policy: cached tokens one request in flight outweighs "
+                            "(default %(default)s)")
+    group.add_argument("--prefill-weight", metavar="X", type=float, default=1.0,
+                       help="kv policy: weight of the prompt tokens queued for prefill on an "
+                            "engine (default %(default)s)")
+    group.add_argument("--overload-factor", metavar="X", type=float, default=DEFAULT_OVERLOAD,
+                       help="kv policy: an engine above X x the mean load (+1) is left out "
+                            "(default %(default)s)")
 
 
 def settings_from_args(args: argparse.Namespace) -> PlanSettings:
@@ -154,6 +204,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             if args.requests < 1:
                 raise ValueError(f"--requests must be >= 1, got {args.requests}")
             trace = trace.head(args.requests)
+        if args.engines is not None:
+            return _run_routing(args, settings, trace, console)
         result = plan(trace, settings)
     except (ValueError, OSError) as exc:
         print(f"kvpool plan: {exc}", file=sys.stderr)
@@ -170,4 +222,33 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (RuntimeError, OSError) as exc:
         print(f"kvpool plan: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run_routing(args: argparse.Namespace, settings: PlanSettings, trace: Trace,
+                 console: Console) -> int:
+    """``--engines``: the routing simulation. Raises ValueError for a bad size or knob."""
+    from kvpool.plan import routing
+    from kvpool.plan.planner import dram_size
+    from kvpool.plan.report import print_routing, write_json
+    from kvpool.route.policy import TierWeights
+    chunk = settings.chunk_bytes(trace)
+    sizes = {flag: dram_size(getattr(args, flag), trace, chunk).chunks
+             for flag in ("engine_cache", "host_pool", "storage")}
+    rs = routing.RoutingSettings(
+        engines=args.engines, policies=tuple(args.routing),
+        engine_cache_chunks=sizes["engine_cache"], host_pool_chunks=sizes["host_pool"],
+        storage_chunks=sizes["storage"], weights=TierWeights(*args.tier_weights),
+        load_tokens=args.load_tokens, overload_factor=args.overload_factor,
+        prefill_weight=args.prefill_weight)
+    result = routing.run(trace, rs, settings.costs, chunk)
+    result["cost_preset"] = settings.preset
+    print_routing(result, console)
+    if args.json is not None:
+        try:
+            write_json(result, args.json)
+        except OSError as exc:
+            print(f"kvpool plan: {exc}", file=sys.stderr)
+            return 2
+        console.print(f"wrote {args.json}")
     return 0

@@ -69,6 +69,9 @@ class CostModel:
     engine_hour_usd: float = 0.10
     dram_gib_month_usd: float = 3.00
     ssd_gib_month_usd: float = 0.08
+    # Only the routing simulation uses it: how long a request stays in flight after its
+    # first token (``kvpool plan --engines``); the single-engine plan leaves decode out.
+    decode_s_per_token: float = 0.02
 
     def with_storage_json(self, path: Path | str) -> CostModel:
         """Read bandwidths from ``kvpool bench storage --json`` output: DRAM from the
@@ -105,6 +108,7 @@ SOURCES: dict[str, str] = {
     "engine_hour_usd": "assumed: a 2-vCPU, 8 GiB cloud VM on demand (late 2026 list price)",
     "dram_gib_month_usd": "assumed: cloud DRAM, late 2026",
     "ssd_gib_month_usd": "assumed: cloud NVMe, late 2026",
+    "decode_s_per_token": "assumed: 50 tokens/s per request while the engine batches others",
 }
 
 
@@ -126,14 +130,16 @@ PRESETS: dict[str, Preset] = {
     "gpu-70b": Preset(
         "llama-3-70b",
         {"prefill_s_per_token": 1 / 20_000, "engine_hour_usd": 20.0,
-         "dram_read_gbps": 100.0, "ssd_read_gbps": 12.0},
+         "dram_read_gbps": 100.0, "ssd_read_gbps": 12.0, "decode_s_per_token": 0.025},
         {"prefill_s_per_token": "assumed: 20,000 prompt tokens/s for Llama-3-70B on 8 "
                                 "H100s, tensor-parallel (2 x 70e9 FLOP/token at ~35% of "
                                 "8 x 989 TFLOP/s bf16)",
          "engine_hour_usd": "assumed: 8 H100-class GPU-hours at $2.50",
          "dram_read_gbps": "assumed: host DRAM to the 8 GPUs, each loading its shard over "
                            "its own PCIe 5.0 x16 link (~12.5 GB/s each)",
-         "ssd_read_gbps": "assumed: 4 NVMe Gen4 drives striped, ~3 GB/s each"},
+         "ssd_read_gbps": "assumed: 4 NVMe Gen4 drives striped, ~3 GB/s each",
+         "decode_s_per_token": "assumed: 40 tokens/s per request at a decode batch of "
+                               "tens of requests"},
         "Llama-3-70B (bf16 KV) on an 8 x H100 node, one engine per node",
         segment_size=2 << 30),  # a 512-token chunk is 160 MiB: 256 MiB segments hold one
 }

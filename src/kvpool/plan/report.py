@@ -114,3 +114,29 @@ def write_json(result: dict[str, Any], path: Path) -> None:
     """Raises OSError if the file cannot be written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def print_routing(result: dict[str, Any], console: Console) -> None:
+    """``kvpool plan --engines``: one row per routing policy, then the ratios."""
+    s = result["settings"]
+    table = Table(title=f"{result['trace']}: {result['requests']:,} requests over "
+                        f"{s['engines']} engines (engine cache {s['engine_cache_chunks']:,}, "
+                        f"host pool {s['host_pool_chunks']:,} chunks each; storage "
+                        f"{s['storage_chunks']:,} shared; preset {result['cost_preset']})")
+    for col in ("routing", "engine hit", "host hit", "storage hit", "TTFT p50", "TTFT p90",
+                "TTFT p99", "load max/mean", "in flight per engine", "decisions"):
+        table.add_column(col, justify="left" if col in ("routing", "decisions") else "right")
+    for r in result["policies"]:
+        table.add_row(r["policy"], f"{r['engine_cache_token_hit_rate']:.3f}",
+                      f"{r['host_pool_token_hit_rate']:.3f}",
+                      f"{r['storage_token_hit_rate']:.3f}", _s(r["ttft_p50_s"]),
+                      _s(r["ttft_p90_s"]), _s(r["ttft_p99_s"]), f"{r['load_max_vs_mean']:.2f}",
+                      " ".join(f"{x:.1f}" for x in r["load_in_flight"]),
+                      ", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items())))
+    console.print(table)
+    load = result["offered_prefill_load"]
+    console.print(f"offered prefill load (no cache) per engine: {load:.2f}"
+                  + (" [bold red]> 1: the engines cannot keep up, TTFT is mostly queueing "
+                     "(try a faster --preset or more --engines)[/]" if load > 1 else ""))
+    for key in sorted(k for k in result if k.startswith("routing_")):
+        console.print(f"{key} = {result[key]:.3f}")

@@ -41,6 +41,7 @@ class Trace:
     input_tokens: np.ndarray  # int64 prompt tokens per request
     timestamps: np.ndarray  # float64 seconds since the first request
     partial_tokens: np.ndarray | None = None  # int64 per request: tokens of a left-out chunk
+    output_tokens: np.ndarray | None = None  # int64 per request: generated tokens
 
     @property
     def requests(self) -> int:
@@ -72,8 +73,10 @@ class Trace:
         end = int(self.starts[min(requests, self.requests)])
         n = min(requests, self.requests)
         partial = None if self.partial_tokens is None else self.partial_tokens[:n]
+        output = None if self.output_tokens is None else self.output_tokens[:n]
         return Trace(self.name, self.block_tokens, self.keys[:end], self.tokens[:end],
-                     self.starts[:n + 1], self.input_tokens[:n], self.timestamps[:n], partial)
+                     self.starts[:n + 1], self.input_tokens[:n], self.timestamps[:n], partial,
+                     output)
 
 
 def check_block_tokens(block_tokens: int) -> None:
@@ -119,4 +122,5 @@ def read_trace(path: Path | str, block_tokens: int = SOURCE_BLOCK,
                  keys=np.asarray(keys, dtype=np.int64), tokens=np.asarray(tokens, dtype=np.int64),
                  starts=np.asarray(starts, dtype=np.int64),
                  input_tokens=np.asarray([row.input_length for row in rows], dtype=np.int64),
-                 timestamps=ts - ts[0], partial_tokens=np.asarray(partial, dtype=np.int64))
+                 timestamps=ts - ts[0], partial_tokens=np.asarray(partial, dtype=np.int64),
+                 output_tokens=np.asarray([row.output_length for row in rows], dtype=np.int64))

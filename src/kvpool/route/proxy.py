@@ -1,0 +1,349 @@
+"""``kvpool route``: an OpenAI-compatible HTTP proxy that sends each request to the engine
+holding most of its prefix (:mod:`kvpool.route.policy`), on aiohttp.
+
+Per request (``POST /v1/completions``, ``/v1/chat/completions``):
+
+1. Token ids, from an engine's own ``/tokenize`` (vLLM's OpenAI server), within
+   ``index_timeout_s``. On a timeout or an error the request goes to the least-loaded engine
+   (reason ``index_timeout`` / ``index_error``): the router never waits on a slow index.
+2. Per engine, the prompt's cached prefix by tier: its own prefix cache (its vLLM KV events,
+   :class:`~kvpool.route.index.EngineIndex`), its host pool and the shared storage nodes
+   (kvpool's KV events, keys of ``namespace_id`` in chunks of ``chunk_tokens``), and its load:
+   requests in flight through this proxy and the prompt tokens still to prefill of those that
+   have not yet returned a byte.
+3. The policy names an engine; the body is forwarded unchanged and the answer streamed back
+   as it comes (SSE passes through chunk by chunk). An engine that refuses the connection is
+   marked down for ``dead_cooldown_s`` (its index reset: it comes back empty) and the
+   request goes to the next choice; once an answer has started, an upstream failure ends the
+   client's response (no retry: the output may be half sent).
+
+``GET /metrics`` (Prometheus), ``GET /healthz``, ``GET /v1/models`` (from an engine). A body
+that is not a JSON object is a 400; no engine alive is a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvpool.keys import chunk_keys
+from kvpool.route.index import RESET_DEAD, EngineIndex, PoolIndex, leading_run
+from kvpool.route.policy import (
+    Candidate,
+    LeastLoadedPolicy,
+    NoEngineError,
+    RoutingPolicy,
+)
+from kvpool.route.subscriber import Subscriber
+
+log = logging.getLogger(__name__)
+
+REASON_INDEX_TIMEOUT = "index_timeout"
+REASON_INDEX_ERROR = "index_error"
+_FORWARD_HEADERS = ("Content-Type", "Authorization", "Accept")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: its OpenAI server, its vLLM KV-event publisher, its host pools' ones."""
+
+    url: str
+    events: str | None = None
+    host_events: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    engines: Sequence[EngineSpec]
+    policy: RoutingPolicy
+    storage_events: Sequence[str] = ()
+    namespace_id: bytes | None = None  # kvpool's namespace of the pool's keys
+    chunk_tokens: int = 256
+    index_timeout_s: float = 0.5
+    dead_cooldown_s: float = 5.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class _Engine:
+    name: str
+    spec: EngineSpec
+    index: EngineIndex
+    hosts: list[PoolIndex] = field(default_factory=list)
+    in_flight: int = 0
+    pending_tokens: int = 0
+    dead_until: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return time.monotonic() >= self.dead_until
+
+
+class Router:
+    """The proxy's state and handlers. ``start`` binds; ``close`` stops everything."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        if not settings.engines:
+            raise ValueError("kvpool route needs at least one engine")
+        self.settings = settings
+        self.policy = settings.policy
+        self._fallback = LeastLoadedPolicy()
+        self.registry = CollectorRegistry()
+        self._decisions = Counter("kvpool_route_decisions", "Requests routed, by reason.",
+                                  ["reason"], registry=self.registry)
+        self._resets = Counter("kvpool_route_index_resets", "Index resets, by source and "
+                               "reason (gap, restart, cleared, dead).", ["source", "reason"],
+                               registry=self.registry)
+        self._in_flight = Gauge("kvpool_route_in_flight", "Requests in flight, per engine.",
+                                ["engine"], registry=self.registry)
+        self._pending = Gauge("kvpool_route_pending_prefill_tokens", "Prompt tokens still to "
+                              "prefill of requests yet to answer, per engine.", ["engine"],
+                              registry=self.registry)
+        self._up = Gauge("kvpool_route_engine_up", "1 if the engine is taking requests.",
+                         ["engine"], registry=self.registry)
+        self._lag = Gauge("kvpool_route_index_lag_seconds", "Seconds since the last KV-event "
+                          "batch applied, per source.", ["source"], registry=self.registry)
+        self._delay = Gauge("kvpool_route_index_delay_seconds", "How late the last KV-event "
+                            "batch arrived (applied minus the publisher's timestamp), per "
+                            "source.", ["source"], registry=self.registry)
+        self._blocks = Gauge("kvpool_route_index_blocks", "Blocks or chunks an index holds.",
+                             ["source"], registry=self.registry)
+        self.engines = [
+            _Engine(f"engine{i}", spec, EngineIndex(f"engine{i}", self._count_reset),
+                    [PoolIndex(f"engine{i}-host{j}", self._count_reset)
+                     for j in range(len(spec.host_events))])
+            for i, spec in enumerate(settings.engines)]
+        self.storage = [PoolIndex(f"storage{j}", self._count_reset)
+                        for j in range(len(settings.storage_events))]
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.subscribers: list[Subscriber] = []
+
+    def _count_reset(self, source: str, reason: str) -> None:
+        self._resets.labels(source, reason).inc()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Subscribe to every publisher and listen; returns the bound port. Raises OSError
+        if the port cannot be bound."""
+        self._ctx = zmq.asyncio.Context()
+        pairs: list[tuple[str, EngineIndex | PoolIndex]] = []
+        for e in self.engines:
+            if e.spec.events:
+                pairs.append((e.spec.events, e.index))
+            pairs.extend(zip(e.spec.host_events, e.hosts, strict=True))
+        pairs.extend(zip(self.settings.storage_events, self.storage, strict=True))
+        for endpoint, index in pairs:
+            sub = Subscriber(self._ctx, endpoint, index)
+            self.subscribers.append(sub)
+            self._tasks.append(asyncio.create_task(sub.run()))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s))
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ------------------------------------------------------------------ routing
+
+    def candidates(self, tokens: Sequence[int] | None) -> list[Candidate]:
+        """Per engine: cached prefix by tier (disjoint) and load. ``tokens`` None: load only."""
+        pool_keys: list[bytes] = []
+        ns = self.settings.namespace_id
+        if tokens and ns is not None:
+            pool_keys = chunk_keys(ns, tokens, self.settings.chunk_tokens)
+        ct = self.settings.chunk_tokens
+        storage = leading_run(pool_keys, self.storage) * ct if self.storage else 0
+        out = []
+        for i, e in enumerate(self.engines):
+            eng = host = 0
+            if tokens:
+                eng = e.index.cached_tokens(tokens)
+                host = leading_run(pool_keys, e.hosts) * ct if e.hosts else 0
+            out.append(Candidate(i, eng, max(0, host - eng), max(0, storage - max(eng, host)),
+                                 e.in_flight, e.pending_tokens, e.alive))
+        return out
+
+    def _choose(self, tokens: list[int] | None, reason: str | None,
+                exclude: set[int]) -> tuple[int, int]:
+        """(engine, its uncached prompt tokens). Raises NoEngineError."""
+        cands = self.candidates(tokens)
+        cands = [c if c.index not in exclude else Candidate(c.index, alive=False)
+                 for c in cands]
+        policy = self._fallback if tokens is None else self.policy
+        d = policy.choose(cands)
+        self._decisions.labels(reason or d.reason).inc()
+        n = len(tokens or ())
+        return d.index, max(0, n - cands[d.index].cached_tokens)
+
+    async def _tokenize(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """Token ids from the least-loaded alive engine's /tokenize. Raises on any failure."""
+        assert self._session is not None
+        if not chat and isinstance(body.get("prompt"), list) and all(
+                isinstance(t, int) for t in body["prompt"]):
+            return list(body["prompt"])
+        alive = [e for e in self.engines if e.alive] or self.engines
+        e = min(alive, key=lambda x: (x.pending_tokens, x.in_flight))
+        req: dict[str, Any] = {"model": body.get("model")}
+        if chat:
+            req["messages"] = body.get("messages")
+        else:
+            req["prompt"] = body.get("prompt")
+        async with self._session.post(e.spec.url.rstrip("/") + "/tokenize", json=req) as r:
+            if r.status != 200:
+                raise ValueError(f"/tokenize answered {r.status}")
+            data = await r.json()
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list):
+            raise ValueError("/tokenize answered no tokens")
+        return [int(t) for t in tokens]
+
+    async def _route(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return web.json_response({"error": "the body must be a JSON object"}, status=400)
+        tokens: list[int] | None = None
+        reason: str | None = None
+        try:
+            tokens = await asyncio.wait_for(self._tokenize(body, chat),
+                                            self.settings.index_timeout_s)
+        except TimeoutError:
+            reason = REASON_INDEX_TIMEOUT
+        except (aiohttp.ClientError, ValueError, TypeError) as exc:
+            log.debug("tokenize failed: %s", exc)
+            reason = REASON_INDEX_ERROR
+        headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
+        tried: set[int] = set()
+        while True:
+            try:
+                idx, uncached = self._choose(tokens, reason, tried)
+            except NoEngineError:
+                return web.json_response({"error": "no engine is alive"}, status=503)
+            e = self.engines[idx]
+            try:
+                return await self._forward(request, e, path, raw, headers, uncached)
+            except _EngineDown:
+                tried.add(idx)
+                reason = None if tokens is not None else reason
+
+    async def _forward(self, request: web.Request, e: _Engine, path: str, raw: bytes,
+                       headers: dict[str, str], uncached: int) -> web.StreamResponse:
+        """Send the body to ``e`` and stream its answer back. Raises _EngineDown if the
+        engine cannot be reached (nothing sent to the client yet)."""
+        assert self._session is not None
+        e.in_flight += 1
+        e.pending_tokens += uncached
+        answered = False
+        try:
+            try:
+                upstream = await self._session.post(e.spec.url.rstrip("/") + path, data=raw,
+                                                    headers=headers)
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                self._mark_dead(e, exc)
+                raise _EngineDown from exc
+            async with upstream:
+                resp = web.StreamResponse(status=upstream.status)
+                ctype = upstream.headers.get("Content-Type")
+                if ctype:
+                    resp.headers["Content-Type"] = ctype
+                resp.headers["X-Kvpool-Engine"] = e.name
+                await resp.prepare(request)
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        if not answered:
+                            answered = True
+                            e.pending_tokens -= uncached
+                        await resp.write(chunk)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    log.warning("%s failed mid-answer: %s", e.name, exc)
+                    self._mark_dead(e, exc)
+                await resp.write_eof()
+                return resp
+        finally:
+            e.in_flight -= 1
+            if not answered:
+                e.pending_tokens -= uncached
+
+    def _mark_dead(self, e: _Engine, exc: BaseException) -> None:
+        log.warning("%s (%s) is down: %s", e.name, e.spec.url, exc)
+        e.dead_until = time.monotonic() + self.settings.dead_cooldown_s
+        # It comes back with an empty cache: forget it now rather than on its first event.
+        e.index.reset(RESET_DEAD)
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, "/v1/completions", chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, "/v1/chat/completions", chat=True)
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        for e in [e for e in self.engines if e.alive]:
+            try:
+                async with self._session.get(e.spec.url.rstrip("/") + "/v1/models") as r:
+                    return web.Response(status=r.status, body=await r.read(),
+                                        content_type="application/json")
+            except aiohttp.ClientError as exc:
+                self._mark_dead(e, exc)
+        return web.json_response({"error": "no engine is alive"}, status=503)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        up = sum(e.alive for e in self.engines)
+        return web.json_response({"engines": len(self.engines), "up": up},
+                                 status=200 if up else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        for e in self.engines:
+            self._in_flight.labels(e.name).set(e.in_flight)
+            self._pending.labels(e.name).set(e.pending_tokens)
+            self._up.labels(e.name).set(1 if e.alive else 0)
+        for ix in [e.index for e in self.engines] + [h for e in self.engines for h in e.hosts] \
+                + self.storage:
+            self._lag.labels(ix.state.name).set(ix.lag_s())
+            self._delay.labels(ix.state.name).set(ix.state.delay_s)
+            self._blocks.labels(ix.state.name).set(len(ix))
+        return web.Response(body=generate_latest(self.registry),
+                            content_type="text/plain", charset="utf-8")
+
+
+class _EngineDown(Exception):
+    """The chosen engine could not be reached; try the next."""
