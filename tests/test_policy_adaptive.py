@@ -15,7 +15,8 @@ from test_policies import assert_tracks, evict_pinned_sevens
 from kvpool import KVPool
 from kvpool.cli import main
 from kvpool.config import DramConfig, SsdConfig
-from kvpool.plan.replay import TierConfig, replay
+from kvpool.plan.dram import DramModel
+from kvpool.plan.replay import TierConfig, replay, replay_request
 from kvpool.plan.trace import read_trace
 from kvpool.policy import (
     ADMISSION_POLICIES,
@@ -84,14 +85,24 @@ def test_arc_moves_its_target_on_ghost_hits() -> None:
     assert p.p == 0 and list(p._t2) == [2, 3, 1] and tier.evicted[-1] == 7
 
 
-def test_arc_evicts_a_put_batchs_deepest_chunk_first_and_skips_pinned() -> None:
+def test_arc_ignores_put_batches_and_skips_pinned() -> None:
     p = ARCPolicy()
     for k in (1, 2, 3, 4):
         p.insert(k)
-    p.put_batch([1, 2, 3, 4])
-    assert p.evict(lambda k: k != 4) == 1  # 4 is pinned: skipped in place
-    assert p.evict(lambda k: True) == 4
+    p.put_batch([1, 2, 3, 4])  # no hint: the deepest chunk is a full block like the others
+    assert p.evict(lambda k: k != 1) == 2  # 1 is pinned: skipped in place
+    assert p.evict(lambda k: True) == 1
     assert p.evict(lambda k: False) is None and len(p) == 2
+
+
+def test_a_follow_up_turn_finds_the_whole_previous_prompt_under_arc() -> None:
+    # Turn 1 puts [1, 2, 3]; an unrelated request and a new one follow; the follow-up turn
+    # [0, 1, 2, 3, 4] must find chunk 3, the previous put's deepest (a full block: engines
+    # never store a partial one). Until issue 25 ARC evicted it first of all.
+    dram = DramModel("arc", 5)
+    hits = [replay_request(dram, None, keys, through=False, promote=True)[0]
+            for keys in ([0], [0], [0, 10], [0, 1, 2, 3], [0, 11], [0, 1, 2, 3, 4])]
+    assert hits == [0, 1, 1, 1, 1, 4]
 
 
 def test_arc_ghosts_are_bounded() -> None:

@@ -1,4 +1,4 @@
-"""ARC (Megiddo and Modha, FAST 2003), told the order of put batches.
+"""ARC (Megiddo and Modha, FAST 2003).
 
 Two LRU lists: T1 holds keys seen once recently, T2 keys seen at least twice (a touch moves a
 key from T1 to T2). Two ghost lists of evicted keys (keys only): B1 for T1's victims, B2 for
@@ -15,15 +15,24 @@ full). Each ghost list keeps at most ``ghost_factor`` times the resident count (
 the memory is the residents' keys seven times over. Every operation O(1) amortised; a pinned key
 is skipped in place, as by LRU.
 
-``put_batch`` (the keys of one put, in prefix order) moves a batch's deepest key, if still in
-T1, to T1's evict end: a request's last block is partial and almost never reused (0.7% of
-first puts on the conversation trace against 25% for the others).
+No put-batch hint: until issue 25 a batch's deepest key went to T1's evict end, because a
+request's last block is partial and almost never reused; but engines never store a partial
+block (nor does ``kvpool plan`` any more), and the deepest *full* block of a put is reused
+as often as the others (30% of first puts on the conversation head, 17% on the synthetic
+trace), so the hint evicted each conversation's newest full block before the follow-up turn
+that needs it: at DRAM 5/10/25/50% of the conversation head 0.127/0.190/0.281/0.326 with it,
+0.127/0.188/0.282/0.329 without (docs/plan.md).
+
+Known weakness (the conversation head at DRAM 50%, where LRU hits 0.335): T1 is never shorter
+than ``p`` there, so nothing is ever evicted from T2 and a chunk reused once stays for good,
+though on conversation traffic it is often done; ARC then evicts exactly what S3-FIFO does
+(the oldest chunk not reused since its put) and both hit 0.329.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kvpool.policy.base import EvictionPolicy, Key
 
@@ -68,11 +77,6 @@ class ARCPolicy(EvictionPolicy):
     def remove(self, key: Key) -> None:
         self._t1.pop(key, None)
         self._t2.pop(key, None)
-
-    def put_batch(self, keys: Sequence[Key]) -> None:
-        """The deepest key of a put batch, if in T1, goes to T1's evict end. Never raises."""
-        if len(keys) >= 2 and keys[-1] in self._t1:
-            self._t1.move_to_end(keys[-1], last=False)
 
     def _remember(self, ghost: OrderedDict[Key, None], key: Key) -> None:
         ghost[key] = None
