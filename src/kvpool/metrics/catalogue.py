@@ -131,6 +131,27 @@ def _specs() -> list[MetricSpec]:
         MetricSpec("kvpool_repair_failures_total", "counter",
                    "Repair copies that failed (peer down or refusing, read error) or were "
                    "dropped (a client's full read-repair queue).", (), s),
+        MetricSpec("kvpool_pinned_bytes", "gauge",
+                   "Bytes of chunks saved with retention priority pin whose pin holds."),
+        MetricSpec("kvpool_pinned_limit_bytes", "gauge",
+                   "Bound on kvpool_pinned_bytes: pool.max_pinned_fraction of dram.capacity."),
+        MetricSpec("kvpool_pins_refused_total", "counter",
+                   "Saves refused because their pins would pass kvpool_pinned_limit_bytes "
+                   "(PinLimitError; a node's RETAIN answered PIN_LIMIT)."),
+        MetricSpec("kvpool_expired_chunks_total", "counter",
+                   "Chunks whose retention TTL passed (misses from then on)."),
+        MetricSpec("kvpool_tenant_bytes", "gauge",
+                   "Bytes a tenant's chunks hold, by tier (dram; ssd as written by this "
+                   "pool, for tenants with an SSD quota).", ("tenant", "tier")),
+        MetricSpec("kvpool_tenant_quota_bytes", "gauge",
+                   "A tenant's quota (pool.tenant_quotas), by tier; absent: unbounded.",
+                   ("tenant", "tier")),
+        MetricSpec("kvpool_tenant_quota_drops_total", "counter",
+                   "Saves of a tenant at its DRAM quota dropped because none of its own "
+                   "chunks could be evicted for them.", ("tenant",)),
+        MetricSpec("kvpool_tenant_quota_evictions_total", "counter",
+                   "A tenant's own SSD chunks deleted to keep it within its SSD quota.",
+                   ("tenant",)),
         MetricSpec("kvpool_build_info", "gauge",
                    "Always 1; the version label is the kvpool package's version.",
                    ("version",), s),

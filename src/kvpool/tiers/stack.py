@@ -24,6 +24,7 @@ from kvpool.counters import Counters
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy, resolve_eviction_policy
+from kvpool.retention import RetentionBook, TenantQuotas
 from kvpool.ssd.engine import SsdEngine
 from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramTier
@@ -127,6 +128,8 @@ class TierStack:
     drain_batch: int = 16
     #: The DRAM tier's demotion sink (None without DRAM).
     demoter: Demoter | None = None
+    #: The storage nodes' tier (None without a cluster): retention requests go to it.
+    remote: RemoteTier | None = None
 
     def write_back_dropped(self) -> int:
         """Write back, through the SSD's write-behind queue, the chunks DRAM holds whose SSD
@@ -215,8 +218,10 @@ class TierStack:
             raise error
 
 
-def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
-    """The tiers ``cfg`` asks for. Raises what the tiers raise when they cannot be opened
+def build_tiers(cfg: Config, remote: bool = True, retention: RetentionBook | None = None,
+                quotas: TenantQuotas | None = None) -> TierStack:
+    """The tiers ``cfg`` asks for; DRAM honours ``retention`` and ``quotas`` when given.
+    Raises what the tiers raise when they cannot be opened
     (OSError, ValueError, CacheDirLockedError, InsufficientSpaceError, ...), after closing the
     ones already open."""
     stack = TierStack([], None)
@@ -238,7 +243,7 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
             stack.drain_staging = ssd_staging
             stack.drain_batch = cfg.pool.write_behind_batch
         if remote and cfg.cluster.enabled:
-            nodes = RemoteTier(cfg.cluster)
+            nodes = stack.remote = RemoteTier(cfg.cluster)
             stack.tiers.append(nodes)
             staging = WriteBehind(nodes.client, cfg.cluster.write_behind_bytes,
                                   cfg.pool.write_behind_batch, label="cluster",
@@ -264,7 +269,8 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
             eviction = resolve_eviction_policy(d.eviction, has_lower_tier=bool(stack.tiers))
             stack.front = DramTier(d.capacity, d.slab_size, eviction, d.shm_path,
                                    demote=demoter, put_wait_s=d.put_wait_s,
-                                   prefault=d.prefault)
+                                   prefault=d.prefault, retention=retention,
+                                   quotas=quotas)
             stack.tiers.insert(0, stack.front)
     except BaseException:
         stack.close()
