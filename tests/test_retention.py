@@ -149,8 +149,8 @@ def test_ttl_makes_a_chunk_a_miss_in_every_tier(tmp_path: Path) -> None:
         ssd = pool._stack.ssd
         assert ssd is not None and not any(ssd.contains_many(short, ns.id))
         assert pool.stats()["retention"]["expired"] == 4
-        # saved again without a TTL: wanted for ever again
-        put(pool, ns, short)
+        # saved again with an explicit default retention: wanted for ever again
+        put(pool, ns, short, Retention())
         assert all(readable(pool, ns, short))
 
 

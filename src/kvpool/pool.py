@@ -354,14 +354,13 @@ class KVPool:
                retention: Retention | None = None) -> None:
         """Record what ``keys`` are to be kept for (saved, or about to be: ``put_many`` and
         ``reserve_many`` call this), and tell the storage nodes (not for ephemeral saves,
-        which never reach them). ``retention`` None: the namespace's (``set_retention``).
+        which never reach them). ``retention`` None: the namespace's (``set_retention``),
+        or, without one, nothing changes (an explicit ``Retention()`` does: it clears a TTL).
         Raises PinLimitError, recording nothing here, for a pin past
         ``pool.max_pinned_fraction`` (here or on a node: then the local pins are undone)."""
-        if retention is None:
+        if retention is None:  # a plain save leaves what earlier ones asked for
             retention = self._ns_retention.get(ns.id)
             if retention is None:
-                if len(self.retention):
-                    self.retention.apply(ns, keys, Retention())
                 return
         elif not isinstance(retention, Retention):
             raise ArgumentError(f"retention must be a kvpool Retention, got "
