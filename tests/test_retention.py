@@ -246,3 +246,26 @@ def test_book_merges_saves_towards_the_stronger_retention() -> None:
     book.apply(ns, key, Retention())  # no TTL: kept for ever
     clock[0] = 10_000.0
     assert not book.expired(key[0]) and book.rank(key[0]) is Priority.NORMAL
+
+
+def test_tenant_at_its_ssd_quota_replaces_its_own_oldest_ssd_chunks(tmp_path: Path) -> None:
+    acme, other = byte_namespace(salt="acme"), byte_namespace(salt="other")
+    quotas = {"acme": {"ssd_bytes": 4 * CHUNK}}
+    with KVPool(small_config(tmp_path, pool={"ssd_write": "through",
+                                             "tenant_quotas": quotas})) as pool:
+        pool.register_namespace(acme)
+        pool.register_namespace(other)
+        theirs = keys(0, 6, 1)
+        put(pool, other, theirs)
+        mine = keys(0, 10, 2)
+        for i in range(0, 10, 2):
+            put(pool, acme, mine[i:i + 2])
+        pool.flush()
+        ssd = pool._stack.ssd
+        assert ssd is not None
+        assert ssd.contains_many(mine, acme.id) == [False] * 6 + [True] * 4
+        assert all(ssd.contains_many(theirs, other.id))
+        tenants = pool.stats()["retention"]["tenants"]
+        assert tenants["acme"]["ssd_bytes"] == 4 * CHUNK
+        assert tenants["acme"]["ssd_quota_evictions"] == 6
+        assert all(readable(pool, acme, mine[-4:]))

@@ -111,6 +111,11 @@ class KVPool:
                                     for t, q in pool_cfg.tenant_quotas.items()})
         self._ns_retention: dict[bytes, Retention] = {}
         self._stack = build_tiers(self.config, remote, self.retention, self.quotas)
+        # the SSD's writers keep each tenant within its SSD quota (none set: no hook)
+        self._ssd_gate = self._make_ssd_room \
+            if self.quotas.limits_ssd and self._stack.ssd is not None else None
+        if self._ssd_gate is not None and self._stack.demoter is not None:
+            self._stack.demoter.before_write = self._ssd_gate
         self._tiers = self._stack.tiers
         self._front = self._stack.front
         # the write-through tiers with their places in the read order (latency labels)
@@ -262,6 +267,9 @@ class KVPool:
             lower = [item for item, e in zip(lower, ephemeral, strict=True) if not e]
         on_lower = [False] * len(items)
         acked = on_lower
+        if self._ssd_gate is not None and lower and any(
+                t is self._stack.ssd or t is self._stack.drain_staging for _, t in self._through):
+            self._ssd_gate(lower)
         for index, tier in self._through:
             tier_started = perf_counter()
             flags = tier.put_many(lower)
@@ -415,6 +423,20 @@ class KVPool:
                         tier.delete(key, ns)
         self.retention.done_expiring([key for key, _ in expired])
         return len(expired)
+
+    def _make_ssd_room(self, items: Sequence[tuple[bytes, Namespace, memoryview]]) -> None:
+        """Before ``items`` go to the SSD: delete the oldest SSD chunks of each tenant the
+        writes would take past its SSD quota (``pool.tenant_quotas``; its own, never
+        another's). The write-behind queue's copy is discarded, the SSD's record gets a
+        tombstone; a DRAM copy keeps serving. Never raises for a closed SSD."""
+        ssd, staging = self._stack.ssd, self._stack.drain_staging
+        assert ssd is not None
+        for key, ns, view in items:
+            for old, old_ns in self.quotas.make_ssd_room(ns, key, view.nbytes):
+                if staging is not None:
+                    staging.discard(old)
+                with contextlib.suppress(PoolClosedError):
+                    ssd.delete(old, old_ns)
 
     def _sweep(self) -> None:
         """Apply the retention deadlines passed: chunks whose TTL passed leave DRAM now."""
@@ -646,6 +668,7 @@ class KVPool:
             for tier in self._tiers:  # staging first: a chunk being written lands before the
                 removed |= tier.delete(key, ns)  # SSD's tombstone
         self.retention.forget([key])
+        self.quotas.forget_ssd(ns, key)
         return removed
 
     def invalidate(self, ns: Namespace | bytes) -> int:

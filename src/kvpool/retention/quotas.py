@@ -37,6 +37,10 @@ class TenantQuotas:
     def enabled(self) -> bool:
         return bool(self._dram or self._ssd)
 
+    @property
+    def limits_ssd(self) -> bool:
+        return bool(self._ssd)
+
     def _count(self, tenant: str, name: str, n: int = 1) -> None:
         counts = self._counts.setdefault(tenant, {})
         counts[name] = counts.get(name, 0) + n

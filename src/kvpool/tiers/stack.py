@@ -55,6 +55,10 @@ class Demoter:
         self._admission = admission
         self._targets = list(targets)
         self._holds = holds
+        #: Called with each batch before it is offered to the targets (the pool keeps
+        #: tenants within their SSD quotas there: retention/quotas.py); None: nothing.
+        self.before_write: Callable[[Sequence[tuple[bytes, Namespace, memoryview]]],
+                                    object] | None = None
         #: Victims handed to the targets (each target may still drop it, counted there);
         #: written_back: those of them the SSD had held and evicted while DRAM served them.
         self.demoted = Counters("demotions", "written_back")
@@ -75,6 +79,8 @@ class Demoter:
         if (on_lower and not lost) or not self._admission.admit(key, hits):
             return
         self.demoted.add_many({"demotions": 1, "written_back": int(lost)})
+        if self.before_write is not None:
+            self.before_write([(key, ns, payload)])
         for target in self._targets:
             target.put_many([(key, ns, payload)])
 
@@ -94,6 +100,8 @@ class Demoter:
                 ns, hits, view = found
                 try:
                     if self._admission.admit(key, hits):
+                        if self.before_write is not None:
+                            self.before_write([(key, ns, view.data)])
                         for target in self._targets:
                             target.put_many([(key, ns, view.data)])
                         offered += 1
