@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from kvtest import byte_namespace, payload_for, small_config
 from node_process import NodeProcess
+from tests_support import wait_until
 
 from kvpool.errors import PinLimitError
 from kvpool.keys import Namespace
@@ -145,6 +146,8 @@ def test_ttl_expires_on_the_node(node: NodeProcess) -> None:
     assert on_node(conn, ns, short + kept) == [False] * 3 + [True] * 3
     assert conn.exists(ns, short) == [False] * 3
     assert conn.stats()["retention"]["expired"] == 3
+    # the node's once-a-second sweep removed them from every tier (KVPool.expire)
+    assert wait_until(lambda: conn.stats()["retention"]["expired_pending"] == 0, 10)
     conn.close()
 
 

@@ -13,13 +13,33 @@ namespace UNKNOWN_NAMESPACE (server/store.py ``Refused``).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from concurrent.futures import Executor
 from dataclasses import replace
 
-from kvpool.errors import ArgumentError, PinLimitError
+from kvpool.errors import ArgumentError, PinLimitError, PoolClosedError
 from kvpool.net.protocol import NS_BYTES, ProtocolError, Status, split_retain
+from kvpool.pool import KVPool
 from kvpool.retention import Retention
 from kvpool.server.store import NodeStore, Refused, Session
+
+log = logging.getLogger("kvpool.serve")
+
+
+async def expire_due(pool: KVPool, executor: Executor) -> None:
+    """Remove the chunks whose TTL passed from every tier (``KVPool.expire``, which may wait
+    on the SSD) on ``executor``; costs a length check while no save asked for retention. A
+    failure is logged; the expired chunks stay misses and the next round tries again."""
+    if not len(pool.retention) and not pool.retention.any_expired:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(executor, pool.expire)
+    except PoolClosedError:
+        return  # the node is stopping
+    except Exception:
+        log.exception("expiring chunks whose retention TTL passed failed")
 
 
 def tenant_session(tenant: str, session: str) -> str:
