@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvtest import CHUNK, byte_namespace, payload_for, small_config
+from prometheus_client import generate_latest
 
 from kvpool import KVPool
 from kvpool.errors import ArgumentError, PinLimitError
@@ -217,6 +218,10 @@ def test_tenant_at_its_quota_evicts_only_its_own_chunks(tmp_path: Path) -> None:
         assert pool.stats()["retention"]["tenants"]["acme"]["quota_drops"] == 2
         # the other tenant, with no quota, still evicts by policy when DRAM is full
         assert put(pool, other, keys(0, 12, 3)) == 12
+        scraped = generate_latest(pool.metrics).decode()
+        assert 'kvpool_tenant_quota_drops_total{tenant="acme"} 2.0' in scraped
+        assert 'kvpool_tenant_quota_bytes{tenant="acme",tier="dram"} 262144.0' in scraped
+        assert f"kvpool_pinned_bytes {4.0 * CHUNK}" in scraped
 
 
 def test_retention_parameters_from_engine_mappings() -> None:

@@ -398,7 +398,9 @@ class KVPool:
             with self._removing():
                 for key, ns in freed:
                     for tier in self._tiers:
-                        tier.delete(key, ns)
+                        if tier is not self._stack.remote:  # nodes end it themselves
+                            tier.delete(key, ns)
+                    self.quotas.forget_ssd(ns, key)
         remote = self._stack.remote
         if remote is not None:
             with self._lock:

@@ -6,14 +6,18 @@ PIN_LIMIT. The nodes have no SSD, so a chunk their DRAM evicted is gone (a GET m
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, payload_for, small_config
+import yaml
+from kvtest import byte_namespace, child_env, payload_for, small_config
 from node_process import NodeProcess
 from tests_support import wait_until
 
@@ -152,7 +156,7 @@ def test_ttl_expires_on_the_node(node: NodeProcess) -> None:
 
 
 def test_tenant_at_its_quota_never_evicts_another_tenants_chunks(
-        quota_node: NodeProcess) -> None:
+        quota_node: NodeProcess, tmp_path: Path) -> None:
     acme_ns, beta_ns = byte_namespace(CHUNK, salt="acme:x"), byte_namespace(CHUNK, salt="beta")
     acme = NodeConnection(quota_node.address, token=ACME)
     beta = NodeConnection(quota_node.address, token=BETA)
@@ -177,6 +181,16 @@ def test_tenant_at_its_quota_never_evicts_another_tenants_chunks(
     assert tenants["acme"]["dram_quota_bytes"] == 4 * CHUNK
     assert tenants["acme"]["quota_drops"] == 2
     assert tenants["beta"]["dram_bytes"] == 8 * CHUNK
+    # a tenant sees its own bytes and quota only; kvpool admin stats shows every tenant's
+    assert acme.stats()["retention"] == {"tenants": {"acme": tenants["acme"]}}
+    config = tmp_path / "admin.yaml"
+    config.write_text(yaml.safe_dump({"cluster": {"nodes": [quota_node.address],
+                                                  "token": ADMIN}}))
+    shown = subprocess.run([sys.executable, "-m", "kvpool.cli", "admin", "stats", "--config",
+                            str(config), "--json"], capture_output=True, text=True,
+                           env=child_env(), timeout=60, check=True)
+    node_stats = json.loads(shown.stdout)[quota_node.address]
+    assert node_stats["retention"]["tenants"]["acme"]["quota_drops"] == 2
     # sessions are per tenant: beta ending "s" leaves acme's "s" alone
     s = Retention(Priority.HIGH, session="s").to_mapping()
     acme.retain(acme_ns, mine[-2:], s)

@@ -51,9 +51,14 @@ class RetainingPolicy(EvictionPolicy):
         for expired in book.expired_keys():
             if expired in self._inner and evictable(expired):
                 return self._take(expired)
+        stale = []
         for key in self._ephemeral:
-            if evictable(key):
+            if not book.ephemeral(key):  # saved again since with a higher priority
+                stale.append(key)
+            elif evictable(key):
                 return self._take(key)
+        for key in stale:
+            del self._ephemeral[key]
         rank = book.rank
         victim = self._inner.evict(lambda k: rank(k) <= Priority.NORMAL and evictable(k))
         if victim is None:
