@@ -120,7 +120,7 @@ class RetentionBook:
             return Priority.NORMAL
         return meta.priority
 
-    def ephemeral(self, key: bytes) -> bool:
+    def ephemeral(self, key: Any) -> bool:
         meta = self._meta.get(key)
         return meta is not None and meta.priority is Priority.EPHEMERAL
 
