@@ -142,7 +142,8 @@ def _specs() -> list[MetricSpec]:
                    "Chunks whose retention TTL passed (misses from then on)."),
         MetricSpec("kvpool_tenant_bytes", "gauge",
                    "Bytes a tenant's chunks hold, by tier (dram; ssd as written by this "
-                   "pool, for tenants with an SSD quota).", ("tenant", "tier")),
+                   "pool); only tenants with a quota in pool.tenant_quotas.",
+                   ("tenant", "tier")),
         MetricSpec("kvpool_tenant_quota_bytes", "gauge",
                    "A tenant's quota (pool.tenant_quotas), by tier; absent: unbounded.",
                    ("tenant", "tier")),

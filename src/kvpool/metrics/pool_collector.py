@@ -124,6 +124,8 @@ def retention_metrics(out: Families, stats: Stats) -> None:
     out.add("kvpool_pins_refused_total", retention["pins_refused"])
     out.add("kvpool_expired_chunks_total", retention["expired"])
     for tenant, t in retention["tenants"].items():
+        if t["dram_quota_bytes"] is None and t["ssd_quota_bytes"] is None:
+            continue  # series only for the configured tenants: bounded label values
         for tier in ("dram", "ssd"):
             out.add("kvpool_tenant_bytes", t[f"{tier}_bytes"], tenant, tier)
             if t[f"{tier}_quota_bytes"] is not None:
