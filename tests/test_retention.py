@@ -274,3 +274,24 @@ def test_tenant_at_its_ssd_quota_replaces_its_own_oldest_ssd_chunks(tmp_path: Pa
         assert tenants["acme"]["ssd_bytes"] == 4 * CHUNK
         assert tenants["acme"]["ssd_quota_evictions"] == 6
         assert all(readable(pool, acme, mine[-4:]))
+
+
+def test_retaining_policy_keeps_protected_keys_out_of_the_inner_policys_way() -> None:
+    from kvpool.policy import LRUPolicy
+    from kvpool.retention import RetainingPolicy
+
+    ns = byte_namespace()
+    clock = [0.0]
+    book = RetentionBook(1 << 30, now=lambda: clock[0])
+    policy = RetainingPolicy(LRUPolicy(), book)
+    ks = keys(0, 6)
+    book.apply(ns, ks[:1], Retention(Priority.PIN, until=10.0))
+    for key in ks:
+        policy.insert(key)
+    book.apply(ns, ks[1:2], Retention(Priority.HIGH))  # protected after its insertion
+    assert [policy.evict(lambda _: True) for _ in range(4)] == ks[2:]  # LRU order
+    assert policy.evict(lambda _: True) == ks[1]  # only HIGH and the pin left
+    assert policy.evict(lambda _: True) is None
+    clock[0] = 11.0  # the pin lapsed: an ordinary victim again
+    assert policy.evict(lambda _: True) == ks[0]
+    assert len(policy) == 0
