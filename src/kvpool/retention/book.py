@@ -44,7 +44,9 @@ class RetentionBook:
         self.max_pinned_bytes = max_pinned_bytes
         self.now = now
         self._lock = threading.Lock()
-        self._meta: dict[bytes, _Meta] = {}
+        #: Per chunk key, what its saves asked for (read without the lock by the tiers'
+        #: fast paths: an empty dict means nothing to honour).
+        self.entries: dict[bytes, _Meta] = {}
         self._sessions: dict[str, set[bytes]] = {}
         self._deadlines: list[tuple[float, bytes]] = []
         #: Keys whose TTL passed, not yet removed from every tier (reads miss them).
@@ -53,7 +55,7 @@ class RetentionBook:
         self._counts = dict.fromkeys(("pins_refused", "expired", "released"), 0)
 
     def __len__(self) -> int:
-        return len(self._meta)
+        return len(self.entries)
 
     # ------------------------------------------------------------------ saves
     def apply(self, ns: Namespace, keys: Sequence[bytes], retention: Retention) -> None:
@@ -61,7 +63,7 @@ class RetentionBook:
         grows with later saves: the higher priority, the later deadlines, every session; a
         save with no TTL clears the TTL (the chunk is wanted for ever again). Raises
         PinLimitError (nothing recorded) when the pins would pass ``max_pinned_bytes``."""
-        if retention.is_default and not any(k in self._meta for k in keys):
+        if retention.is_default and not any(k in self.entries for k in keys):
             return
         with self._lock:
             now = self.now()
@@ -79,15 +81,15 @@ class RetentionBook:
                 self._apply_locked(ns, key, retention)
 
     def _pinned(self, key: bytes) -> bool:
-        meta = self._meta.get(key)
+        meta = self.entries.get(key)
         return meta is not None and meta.pinned_bytes > 0
 
     def _apply_locked(self, ns: Namespace, key: bytes, r: Retention) -> None:
-        meta = self._meta.get(key)
+        meta = self.entries.get(key)
         if meta is None:
             if r.is_default:
                 return
-            meta = self._meta[key] = _Meta(ns, r.priority, r.until, r.expires_at)
+            meta = self.entries[key] = _Meta(ns, r.priority, r.until, r.expires_at)
         else:
             if r.priority > meta.priority:
                 meta.priority, meta.until = r.priority, r.until
@@ -113,7 +115,7 @@ class RetentionBook:
     def rank(self, key: Any) -> Priority:
         """The priority a victim search sees now: a passed ``until`` is NORMAL (no lock: a
         dict read, called per candidate under the tier's lock)."""
-        meta = self._meta.get(key)
+        meta = self.entries.get(key)
         if meta is None:
             return Priority.NORMAL
         if meta.priority > Priority.NORMAL and _passed(meta.until, self.now()):
@@ -121,14 +123,14 @@ class RetentionBook:
         return meta.priority
 
     def ephemeral(self, key: Any) -> bool:
-        meta = self._meta.get(key)
+        meta = self.entries.get(key)
         return meta is not None and meta.priority is Priority.EPHEMERAL
 
     def expired(self, key: Any) -> bool:
         """Whether the chunk's TTL passed (its reads are misses)."""
         if key in self._expired:
             return True
-        meta = self._meta.get(key)
+        meta = self.entries.get(key)
         return meta is not None and _passed(meta.expires_at, self.now())
 
     def expired_keys(self) -> list[bytes]:
@@ -146,7 +148,7 @@ class RetentionBook:
     def left_dram(self, key: bytes) -> None:
         """The DRAM tier dropped the chunk: forget retention that only DRAM honours (no TTL
         and no session to answer for below DRAM)."""
-        meta = self._meta.get(key)
+        meta = self.entries.get(key)
         if meta is not None and meta.expires_at is None and not meta.sessions:
             with self._lock:
                 self._forget_locked(key)
@@ -165,7 +167,7 @@ class RetentionBook:
         due: list[tuple[bytes, Namespace]] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, key = heapq.heappop(self._deadlines)
-            meta = self._meta.get(key)
+            meta = self.entries.get(key)
             if meta is None:
                 continue
             if meta.pinned_bytes and _passed(meta.until, now):
@@ -192,7 +194,7 @@ class RetentionBook:
             keys = self._sessions.pop(session, set())
             freed: list[tuple[bytes, Namespace]] = []
             for key in keys:
-                meta = self._meta.get(key)
+                meta = self.entries.get(key)
                 if meta is None:
                     continue
                 meta.sessions.discard(session)
@@ -204,7 +206,7 @@ class RetentionBook:
 
     def forget(self, keys: Sequence[bytes]) -> None:
         """The chunks were deleted: drop what the book holds for them."""
-        if not self._meta and not self._expired:
+        if not self.entries and not self._expired:
             return
         with self._lock:
             for key in keys:
@@ -213,13 +215,13 @@ class RetentionBook:
 
     def forget_namespace(self, ns_id: bytes) -> None:
         with self._lock:
-            for key in [k for k, m in self._meta.items() if m.ns.id == ns_id]:
+            for key in [k for k, m in self.entries.items() if m.ns.id == ns_id]:
                 self._forget_locked(key)
             for key in [k for k, ns in self._expired.items() if ns.id == ns_id]:
                 del self._expired[key]
 
     def _forget_locked(self, key: bytes) -> None:
-        meta = self._meta.pop(key, None)
+        meta = self.entries.pop(key, None)
         if meta is None:
             return
         self._pinned_bytes -= meta.pinned_bytes
@@ -233,7 +235,7 @@ class RetentionBook:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             by_priority = dict.fromkeys((p.name.lower() for p in Priority), 0)
-            for meta in self._meta.values():
+            for meta in self.entries.values():
                 by_priority[meta.priority.name.lower()] += 1
             return {"pinned_bytes": self._pinned_bytes,
                     "max_pinned_bytes": self.max_pinned_bytes,

@@ -36,6 +36,9 @@ class RetainingPolicy(EvictionPolicy):
         self._held: OrderedDict[Key, None] = OrderedDict()  # PIN and HIGH, least recent first
 
     def insert(self, key: Key) -> None:
+        if key not in self._book.entries:  # the common case: a plain save
+            self._inner.insert(key)
+            return
         rank = self._book.rank(key)
         if rank > Priority.NORMAL:
             self._held[key] = None
@@ -78,7 +81,7 @@ class RetainingPolicy(EvictionPolicy):
 
     def evict(self, evictable: Callable[[Key], bool]) -> Key | None:
         book = self._book
-        if not self._held and not len(book) and not book.any_expired:
+        if not self._held and not book.entries and not book.any_expired:
             return self._inner.evict(evictable)
         for expired in book.expired_keys():
             if expired in self._inner and evictable(expired):

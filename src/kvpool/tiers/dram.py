@@ -165,7 +165,7 @@ class DramTier:
                 self._release_slot(entry)
                 self._uncharge(entry)
                 return True
-            if self._retention is not None:
+            if self._retention is not None and self._retention.entries:
                 entry.ephemeral = self._retention.ephemeral(key)
             self._entries[key] = entry
             self._policy(entry.slot_size).insert(key)
@@ -231,7 +231,7 @@ class DramTier:
         """A chunk left DRAM (evicted, deleted, its slab stolen): retention and quota books."""
         if self._quotas is not None:
             self._quotas.charge_dram(entry.ns.tenant, -entry.slot_size)
-        if self._retention is not None:
+        if self._retention is not None and key in self._retention.entries:
             self._retention.left_dram(key)
 
     def _evictable(self, key: Any) -> bool:
@@ -289,8 +289,10 @@ class DramTier:
         with self._lock:
             self._check_open()
             entry = self._entries.get(key)
-            if entry is not None and self._retention is not None \
-                    and self._retention.expired(key):
+            retention = self._retention
+            if entry is not None and retention is not None \
+                    and (retention.any_expired or key in retention.entries) \
+                    and retention.expired(key):
                 entry = None  # its TTL passed: a miss until the pool drops it
             if entry is None or (namespace_id is not None and entry.ns.id != namespace_id):
                 if count_miss:
