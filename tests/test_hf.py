@@ -340,3 +340,26 @@ def test_engine_metrics_count_tokens_and_ttft_through_the_pool_registry(
         assert value(s, "kvpool_hit_tokens_total", tier="dram") == usable
         pc.close()
         assert not any(name.startswith("kvpool_engine") for name, _ in scrape(pool.metrics))
+
+
+def test_retention_of_the_engine_and_of_one_call(model: Any, tmp_path: Path) -> None:
+    """The engine's retention (ephemeral: never on the SSD) and a call's own over it (a
+    pinned session), released through the pool."""
+    with pool_at(tmp_path, pool={"ssd_write": "through"}) as pool:
+        pc = PrefixCache(model, pool, CHUNK_TOKENS, retention={"priority": "ephemeral"})
+        fleeting, kept = prompt(100, seed=3), prompt(100, seed=4)
+        pc.prefill(fleeting)
+        pc.prefill(kept, retention={"priority": "pin", "session": "conv"})
+        pc.flush()
+        ssd = pool._stack.ssd
+        assert ssd is not None
+        fleeting_keys, kept_keys = pc.ns.chunk_keys(fleeting), pc.ns.chunk_keys(kept)
+        assert all(pool.contains_many(pc.ns, fleeting_keys + kept_keys))
+        assert not any(ssd.contains_many(fleeting_keys, pc.ns.id))
+        assert all(ssd.contains_many(kept_keys, pc.ns.id))
+        assert pool.stats()["retention"]["pinned_bytes"] == 3 * pc.ns.chunk_bytes
+        assert pool.release("conv") == 3
+        assert pool.stats()["retention"]["pinned_bytes"] == 0
+        pc.close()
+    with pytest.raises(ValueError, match="priority"):
+        PrefixCache(model, None, CHUNK_TOKENS, retention={"priority": "urgent"})

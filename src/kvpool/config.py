@@ -176,6 +176,13 @@ class SsdConfig(_Section):
         return self
 
 
+class TenantQuota(_Section):
+    """Bytes one tenant may hold (docs/retention.md); unset: unbounded."""
+
+    dram_bytes: Size | None = Field(None, ge=0, description="DRAM bytes (slot sizes) the tenant's chunks may hold; at it, the tenant's saves evict its own chunks (by the eviction policy and retention), never another tenant's, and a save none of its own can make room for is dropped (counted as quota_drops).")
+    ssd_bytes: Size | None = Field(None, ge=0, description="SSD bytes the tenant's chunks may hold, as written by this pool; at it, the tenant's oldest SSD chunks are deleted for the new one (counted as ssd_quota_evictions).")
+
+
 class PoolConfig(_Section):
     """The embedded pool that composes the tiers."""
 
@@ -188,6 +195,8 @@ class PoolConfig(_Section):
     prefetch_max_pending: int = Field(4, ge=1, description="Background moves up into DRAM (KVPool.prefetch, and promotions of chunks a read found only on SSD or the nodes) queued at once; more are skipped (counted as prefetch_skipped / promotions_skipped), never waited for.")
     prefetch_batch: int = Field(8, ge=1, description="Chunks a background move reads per batch, straight into reserved DRAM slots.")
     warm_start_fraction: float = Field(0.5, ge=0, le=1, description="When a namespace is registered (an engine or a storage node starting over an existing cache_dir), the newest SSD chunks of it are read up into DRAM in the background (the mover, at pool.background_nice), up to this share of dram.capacity and never more than DRAM has free at that moment (a namespace registered while others fill DRAM does not evict their chunks), so the first hits after a restart are DRAM hits: the newest writes stand in for the hot set, whose recency a restart lost. Counted as warmed (warm_skipped: the mover was busy); chunks already in DRAM are skipped. 0: off.")
+    max_pinned_fraction: float = Field(0.5, ge=0, le=1, description="Bound on the bytes saves may pin (retention priority pin), as a share of dram.capacity (on a storage node: of its own). A save whose pins would pass it raises PinLimitError (a node answers PIN_LIMIT); nothing of it is pinned. 0: no pins.")
+    tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict, description="Per tenant (the tenant_salt before its first ':'): bytes of DRAM and SSD its chunks may hold, e.g. {acme: {dram_bytes: 4GiB, ssd_bytes: 100GiB}}. Enforced by every pool, storage nodes included (docs/retention.md).")
     prefetch_window_chunks: int = Field(16, ge=0, description="Read-ahead along a prefix (YRCloudFile's prefetch_window, in chunks): an integration passes it to KVPool.lookup(prefetch=...), which moves the first this-many chunks of the prefix found that DRAM lacks up into DRAM in the background, so the load that follows finds them there; the integrations turn it into tokens (chunks x chunk tokens). 0 = off. Default from kvpool bench storage (prefetch case, 64 KiB chunks, CPU box): a 16-chunk SSD-only prefix loaded 2 ms after its lookup took ~0.2 ms instead of ~1.8 ms; a load issued right after the lookup was 25-50% slower instead (the move and the load read the same chunks), so an integration whose load cannot follow its lookup by a scheduler step should pass 0.")
 
 

@@ -55,3 +55,8 @@ class InsufficientSpaceError(_MediaOSError):
     ``filename`` the directory). Raised before anything is preallocated, or when preallocation
     still runs out (another writer, file system metadata) after every file this open created
     was removed. The message gives the bytes needed and free and the keys to change."""
+
+
+class PinLimitError(KVPoolError, ValueError):
+    """A save asked to pin chunks past ``pool.max_pinned_fraction`` of DRAM (locally, or on a
+    storage node, whose answer has status PIN_LIMIT); nothing of that save was pinned."""

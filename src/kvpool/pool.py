@@ -40,6 +40,7 @@ from kvpool.metrics.http import MetricsServer
 from kvpool.metrics.pool_collector import PoolCollector
 from kvpool.metrics.recorder import OpLatency
 from kvpool.mover import Mover
+from kvpool.retention import Retention, RetentionBook, TenantQuotas
 from kvpool.tiers.base import Tier, leading_run, read_tiers
 from kvpool.tiers.slots import PinnedView, SlotReservation
 from kvpool.tiers.stack import build_tiers
@@ -105,7 +106,19 @@ class KVPool:
             "lookups", "lookup_hit_chunks", "dram_hits", "staged_hits", "ssd_hits",
             "remote_hits", "misses", "promotions", "promotions_skipped", "prefetched",
             "prefetch_skipped", "warmed", "warm_skipped")
-        self._stack = build_tiers(self.config, remote)
+        pool_cfg = self.config.pool
+        #: What saves asked to be kept for (docs/retention.md), and each tenant's bytes.
+        self.retention = RetentionBook(int(pool_cfg.max_pinned_fraction
+                                           * self.config.dram.capacity))
+        self.quotas = TenantQuotas({t: q.model_dump()
+                                    for t, q in pool_cfg.tenant_quotas.items()})
+        self._ns_retention: dict[bytes, Retention] = {}
+        self._stack = build_tiers(self.config, remote, self.retention, self.quotas)
+        # the SSD's writers keep each tenant within its SSD quota (none set: no hook)
+        self._ssd_gate = self._make_ssd_room \
+            if self.quotas.limits_ssd and self._stack.ssd is not None else None
+        if self._ssd_gate is not None and self._stack.demoter is not None:
+            self._stack.demoter.before_write = self._ssd_gate
         self._tiers = self._stack.tiers
         self._front = self._stack.front
         # the write-through tiers with their places in the read order (latency labels)
@@ -234,21 +247,28 @@ class KVPool:
             raise PoolClosedError("KVPool is closed")
 
     # ------------------------------------------------------------------ writes
-    def put(self, ns: Namespace, key: bytes, data: Any) -> bool:
+    def put(self, ns: Namespace, key: bytes, data: Any,
+            retention: Retention | None = None) -> bool:
         """Store one chunk (idempotent: chunks are immutable). True if it is stored as the
         pool's durability promises (see the module docstring: on SSD and synced for durable
         puts, else held by a tier); False if it was dropped under overload or, for a durable
-        put, the SSD write failed (counted; the chunk may still be served from DRAM)."""
-        return self.put_many(ns, [key], [data]) == 1
+        put, the SSD write failed (counted; the chunk may still be served from DRAM).
+        ``retention``: what the save asks to be kept for (docs/retention.md; default: the
+        namespace's, ``set_retention``); raises PinLimitError, storing nothing, for a pin
+        past ``pool.max_pinned_fraction``."""
+        return self.put_many(ns, [key], [data], retention) == 1
 
-    def put_many(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
+    def put_many(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any],
+                 retention: Retention | None = None) -> int:
         """Store several chunks; returns how many were stored (as ``put`` counts them).
-        Durable puts of one batch share one fdatasync per SSD segment they touch."""
+        Durable puts of one batch share one fdatasync per SSD segment they touch.
+        ``retention`` as for ``put``."""
         self._registered(ns, keys)
         check_same_length(keys, datas, "datas")
         views = [byte_view(d) for d in datas]
         for view in views:
             check_size(ns, view, "data")
+        self.retain(ns, keys, retention)
         return self._store([(k, ns, v, None) for k, v in zip(keys, views, strict=True)])
 
     def _store(self, items: Sequence[tuple[bytes, Namespace, memoryview,
@@ -261,12 +281,22 @@ class KVPool:
         latency = self._latency
         started = perf_counter()
         timings: list[tuple[int, float]] = []
+        book = self.retention
         lower = [(k, ns, v) for k, ns, v, _ in items]
+        ephemeral = [book.ephemeral(k) for k, _, _ in lower] if len(book) else None
+        if ephemeral is not None and any(ephemeral):  # DRAM only: never below it
+            lower = [item for item, e in zip(lower, ephemeral, strict=True) if not e]
         on_lower = [False] * len(items)
         acked = on_lower
+        if self._ssd_gate is not None and lower and any(
+                t is self._stack.ssd or t is self._stack.drain_staging for _, t in self._through):
+            self._ssd_gate(lower)
         for index, tier in self._through:
             tier_started = perf_counter()
             flags = tier.put_many(lower)
+            if len(lower) < len(items) and ephemeral is not None:
+                kept = iter(flags)
+                flags = [False if e else next(kept) for e in ephemeral]
             if latency is not None:
                 timings.append((index, perf_counter() - tier_started))
             if tier is self._stack.ack:
@@ -293,23 +323,25 @@ class KVPool:
             latency.record_at("put", now - started, timings)
         return sum(acked if self.durable_puts else held)
 
-    def reserve(self, ns: Namespace, key: bytes,
-                wait: bool = True) -> ChunkReservation | bool | None:
+    def reserve(self, ns: Namespace, key: bytes, wait: bool = True,
+                retention: Retention | None = None) -> ChunkReservation | bool | None:
         """Room for one chunk that the caller fills in place through ``.view`` (a storage
         node receives a PUT payload straight into a DRAM slot; an engine gathers its KV
         into one), then ``commit()`` (or ``commit_many``) or ``abort()``. Returns True instead
         when the chunk is already stored (in a durable pool: synced on the SSD), False when
         it was dropped for lack of room (counted). With ``wait=False`` it never waits for a
         slot and returns None where it would have waited for a pinned one. Same checks as
-        ``put``."""
+        ``put`` (``retention`` included)."""
         check_key(key)
-        return self.reserve_many(ns, [key], wait)[0]
+        return self.reserve_many(ns, [key], wait, retention)[0]
 
-    def reserve_many(self, ns: Namespace, keys: Sequence[bytes],
-                     wait: bool = True) -> list[ChunkReservation | bool | None]:
+    def reserve_many(self, ns: Namespace, keys: Sequence[bytes], wait: bool = True,
+                     retention: Retention | None = None
+                     ) -> list[ChunkReservation | bool | None]:
         """``reserve`` per key; the tiers are asked once for the batch whether they hold
         the chunks already."""
         self._registered(ns, keys)
+        self.retain(ns, keys, retention)
         ack = self._stack.ack
         # Durable: stored means synced, whatever DRAM holds.
         stored = ack.contains_many(keys, ns.id) if ack is not None \
@@ -336,6 +368,115 @@ class KVPool:
         return self._store([(r.key, r.ns, r.view, r.slot)
                             for r in reservations if r.take()])
 
+    # ------------------------------------------------------------------ retention
+    def set_retention(self, ns: Namespace, retention: Retention | None) -> None:
+        """What saves of ``ns`` ask for when they name no retention of their own (None: the
+        default, NORMAL). Pins set this way count against ``pool.max_pinned_fraction`` as
+        each save pins its chunks."""
+        self._registered(ns)
+        if retention is None or retention.is_default:
+            self._ns_retention.pop(ns.id, None)
+        else:
+            self._ns_retention[ns.id] = retention
+
+    def retain(self, ns: Namespace, keys: Sequence[bytes],
+               retention: Retention | None = None) -> None:
+        """Record what ``keys`` are to be kept for (saved, or about to be: ``put_many`` and
+        ``reserve_many`` call this), and tell the storage nodes (not for ephemeral saves,
+        which never reach them). ``retention`` None: the namespace's (``set_retention``),
+        or, without one, nothing changes (an explicit ``Retention()`` does: it clears a TTL).
+        Raises PinLimitError, recording nothing here, for a pin past
+        ``pool.max_pinned_fraction`` (here or on a node: then the local pins are undone)."""
+        if retention is None:  # a plain save leaves what earlier ones asked for
+            retention = self._ns_retention.get(ns.id)
+            if retention is None:
+                return
+        elif not isinstance(retention, Retention):
+            raise ArgumentError(f"retention must be a kvpool Retention, got "
+                                f"{type(retention).__name__}")
+        self._sweep()
+        self.retention.apply(ns, keys, retention)
+        if self._stack.remote is not None and not retention.ephemeral \
+                and not retention.is_default:
+            try:
+                self._stack.remote.client.retain(ns, keys, retention)
+            except BaseException:
+                self.retention.forget(keys)
+                raise
+
+    def release(self, session: str, delete: bool = False) -> int:
+        """End a session (the ``session`` its saves named): its chunks that no other session
+        and no session-less save holds lose their retention (pins give their bytes back),
+        here and on the storage nodes. ``delete=True`` also removes those chunks from every
+        tier (a conversation that ended: its prefix will not be asked for again). Returns how
+        many chunks were released here. A node that does not answer keeps its pins until
+        their deadline (logged, counted by the client)."""
+        self._check_open()
+        if not isinstance(session, str) or not session:
+            raise ArgumentError(f"session must be a non-empty string, got {session!r}")
+        freed = self.retention.release(session)
+        if delete:
+            with self._removing():
+                for key, ns in freed:
+                    for tier in self._tiers:
+                        if tier is not self._stack.remote:  # nodes end it themselves
+                            tier.delete(key, ns)
+                    self.quotas.forget_ssd(ns, key)
+        remote = self._stack.remote
+        if remote is not None:
+            with self._lock:
+                namespaces = list(self._namespaces.values())
+            for ns in namespaces:
+                remote.client.release(ns, session, delete)
+        return len(freed)
+
+    def expire(self) -> int:
+        """Remove the chunks whose TTL passed from every tier (DRAM drops them as their
+        deadline passes; until this runs a lower tier's copy is a miss all the same).
+        Returns how many. May block on the SSD: call it off any event loop."""
+        self._check_open()
+        self._sweep()
+        expired = self.retention.expired_items()
+        if not expired:
+            return 0
+        with self._removing():
+            for key, ns in expired:
+                for tier in self._tiers:
+                    if tier is not self._stack.remote:  # nodes apply the TTL themselves
+                        tier.delete(key, ns)
+        self.retention.done_expiring([key for key, _ in expired])
+        return len(expired)
+
+    def _make_ssd_room(self, items: Sequence[tuple[bytes, Namespace, memoryview]]) -> None:
+        """Before ``items`` go to the SSD: delete the oldest SSD chunks of each tenant the
+        writes would take past its SSD quota (``pool.tenant_quotas``; its own, never
+        another's). The write-behind queue's copy is discarded, the SSD's record gets a
+        tombstone; a DRAM copy keeps serving. Never raises for a closed SSD."""
+        ssd, staging = self._stack.ssd, self._stack.drain_staging
+        assert ssd is not None
+        for key, ns, view in items:
+            for old, old_ns in self.quotas.make_ssd_room(ns, key, view.nbytes):
+                if staging is not None:
+                    staging.discard(old)
+                with contextlib.suppress(PoolClosedError):
+                    ssd.delete(old, old_ns)
+
+    def _sweep(self) -> None:
+        """Apply the retention deadlines passed: chunks whose TTL passed leave DRAM now."""
+        due = self.retention.tick()
+        if due and self._front is not None:
+            for key, _ in due:
+                self._front.delete(key)
+
+    def _hidden(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per key: is it a miss because its TTL passed? None when no key is."""
+        self._sweep()
+        book = self.retention
+        if not book.any_expired:
+            return None
+        hidden = [book.expired(k) for k in keys]
+        return hidden if any(hidden) else None
+
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
         """Copy a chunk's payload into ``out`` (exactly ns.chunk_bytes, writable). False on a
@@ -351,6 +492,15 @@ class KVPool:
         ``pool.promote_on_hit``)."""
         self._registered(ns, keys)
         check_same_length(keys, outs, "outs")
+        hidden = self._hidden(keys)
+        if hidden is not None:  # expired: misses, the rest read as usual
+            live = [i for i, h in enumerate(hidden) if not h]
+            got = self.get_many_into(ns, [keys[i] for i in live], [outs[i] for i in live])
+            self.count_misses(ns, len(keys) - len(live))
+            found = [False] * len(keys)
+            for i, hit in zip(live, got, strict=True):
+                found[i] = hit
+            return found
         views = [byte_view(o, writable=True) for o in outs]
         for view in views:
             check_size(ns, view, "output buffer")
@@ -441,6 +591,9 @@ class KVPool:
             for i, flag in zip(todo, flags, strict=True):
                 held[i] = flag
             todo = [i for i, flag in zip(todo, flags, strict=True) if not flag]
+        hidden = self._hidden(keys)
+        if hidden is not None:  # expired: a miss wherever a copy is left
+            held = [h and not e for h, e in zip(held, hidden, strict=True)]
         return held[:leading_run(held)] if stop_at_miss else held
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes], *, prefetch: int = 0) -> int:
@@ -457,6 +610,9 @@ class KVPool:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 chunks, got {prefetch}")
         self._registered(ns, keys)
+        hidden = self._hidden(keys)
+        if hidden is not None:  # the run ends at the first chunk whose TTL passed
+            keys = keys[:hidden.index(True)]
         started = perf_counter()
         timings: list[float] = []  # entry i: tier i (asked in order from the first)
         n = len(self._held_locally(ns.id, keys, stop_at_miss=True))
@@ -534,6 +690,8 @@ class KVPool:
         with self._removing():  # a move in flight must not bring the chunk back
             for tier in self._tiers:  # staging first: a chunk being written lands before the
                 removed |= tier.delete(key, ns)  # SSD's tombstone
+        self.retention.forget([key])
+        self.quotas.forget_ssd(ns, key)
         return removed
 
     def invalidate(self, ns: Namespace | bytes) -> int:
@@ -544,7 +702,9 @@ class KVPool:
         ns_id = ns.id if isinstance(ns, Namespace) else bytes(ns)
         known = ns if isinstance(ns, Namespace) else self._namespaces.get(ns_id)
         with self._removing():
-            return sum(tier.invalidate(ns_id, known) for tier in self._tiers)
+            dropped = sum(tier.invalidate(ns_id, known) for tier in self._tiers)
+        self.retention.forget_namespace(ns_id)
+        return dropped
 
     def _removing(self) -> contextlib.AbstractContextManager[None]:
         return self._mover.removing() if self._mover is not None else contextlib.nullcontext()
@@ -552,15 +712,19 @@ class KVPool:
     # ------------------------------------------------------------------ admin
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for background moves up (promotions, prefetches) and the write-behind queues
-        (SSD, cluster) to drain; False on timeout."""
+        (SSD, cluster) to drain, after removing what expired (``expire``); False on
+        timeout."""
         self._check_open()
+        self.expire()
         ok = self._mover.wait_idle(timeout) if self._mover is not None else True
         return all([tier.flush(timeout) for tier in self._tiers]) and ok
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier: hits, misses, evictions, checksum failures, dropped saves..."""
         self._check_open()
-        out: dict[str, Any] = {"pool": self._counters.snapshot()}
+        out: dict[str, Any] = {"pool": self._counters.snapshot(),
+                               "retention": {**self.retention.stats(),
+                                             "tenants": self.quotas.stats()}}
         if self._stack.demoter is not None:
             out["pool"].update(self._stack.demoter.demoted.snapshot())
         if self._mover is not None:

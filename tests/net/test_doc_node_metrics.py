@@ -35,7 +35,9 @@ def test_the_doc_says_truly_what_a_node_exports(tmp_path: Path) -> None:
     clients = documented("Clients of storage nodes only")
     assert {"kvpool_node_up", "kvpool_remote_errors_total"} <= clients
     assert every and nodes and not clients & (every | nodes)
-    with NodeProcess(tmp_path / "n", server={"metrics_port": 0}) as node:
+    # a tenant quota, so the per-tenant quota metrics have a series to export
+    with NodeProcess(tmp_path / "n", server={"metrics_port": 0},
+                     pool={"tenant_quotas": {"acme": {"dram_bytes": "8MiB"}}}) as node:
         ns = byte_namespace(CHUNK)
         keys = ns.chunk_keys([1, 2])
         conn = NodeConnection(node.address)  # labelled series appear once requests were served

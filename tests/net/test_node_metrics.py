@@ -37,7 +37,8 @@ TOKEN, ADMIN = "token-acme-123", "admin-token-0"
 def metrics_node(tmp_path: Path) -> Iterator[NodeProcess]:
     with NodeProcess(tmp_path / "n", server={
             "metrics_port": 0, "auth": [{"token": TOKEN, "tenants": ["acme"]}],
-            "admin_token": ADMIN}) as node:
+            "admin_token": ADMIN}, pool={"tenant_quotas": {"acme": {"dram_bytes": "8MiB"}}}) \
+            as node:
         yield node
 
 

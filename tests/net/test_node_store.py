@@ -235,7 +235,8 @@ def test_auth_and_tenancy(auth_store: Store) -> None:
     assert s.get(session, beta, keys) == [None, None]
     # A tenant sees its own figures only; the admin sees the node and every tenant.
     mine = s.run(store.stats(session, {"connections": 9}))
-    assert set(mine) == {"server", "tenants", "namespaces"} and set(mine["tenants"]) == {"beta"}
+    assert set(mine) == {"server", "tenants", "namespaces", "retention"} \
+        and set(mine["tenants"]) == {"beta"}
     assert "connections" not in mine["server"]
     assert [n["id"] for n in mine["namespaces"]] == [beta.id.hex()]  # acme's stays unlisted
     admin = store.open_session()

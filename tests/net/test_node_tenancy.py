@@ -50,7 +50,7 @@ def test_stats_answer_a_tenant_with_its_own_figures_and_the_admin_with_the_node(
     put_and_get(beta, "beta:b", 5)
 
     mine = acme.stats()
-    assert set(mine) == {"server", "tenants", "namespaces"}
+    assert set(mine) == {"server", "tenants", "namespaces", "retention"}
     assert [n["tenant"] for n in mine["namespaces"]] == ["acme"]
     assert set(mine["server"]) == {"node_id", "version", "uptime_s", "gc_frozen_objects"}
     assert set(mine["tenants"]) == {"acme"}

@@ -88,3 +88,17 @@ def test_layer_first_pieces_land_at_their_flat_page_offsets() -> None:
 def test_layouts_kvpool_cannot_copy_are_refused() -> None:
     with pytest.raises(ValueError, match="page_head"):
         geom("page_head")
+
+
+def test_retention_setting_is_checked() -> None:
+    from kvpool.integrations.retention import retention_now
+    from kvpool.retention import Priority
+
+    settings = parse_settings({**DYNAMIC, "retention": {"priority": "high", "ttl_s": 30}})
+    first = retention_now(settings.retention)
+    assert first is not None and first.priority is Priority.HIGH
+    assert first.expires_at is not None
+    with pytest.raises(ConfigError, match=r"hicache_storage_backend_extra_config\.retention"):
+        parse_settings({"retention": {"priority": "forever"}})
+    with pytest.raises(ConfigError, match="mapping"):
+        parse_settings({"retention": "pin"})

@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from kvpool.config import Config, load_config
 from kvpool.errors import ConfigError
+from kvpool.integrations.retention import check_retention
 
 
 def none_if_empty(value: object) -> object:
@@ -32,6 +33,7 @@ class EngineSettings(BaseModel):
     RANKS: ClassVar[str] = "ranks"
 
     config_path: str | None = Field(None, description="kvpool YAML file (the keys above); else `$KVPOOL_CONFIG`, else defaults. Must exist; `~` is expanded.")
+    retention: Annotated[dict[str, Any] | None, BeforeValidator(check_retention)] = Field(None, description="What this engine's saves ask to be kept for (docs/retention.md): priority (pin, high, normal, ephemeral), pin_s or pin_until, ttl_s or expires_at, session; e.g. `{\"priority\": \"high\", \"ttl_s\": 3600}`. Relative times count from each save. A request's own retention (vLLM: kv_transfer_params[\"retention\"]) overrides it key by key.")
     config_overrides: Annotated[dict[str, Any] | None, BeforeValidator(_a_mapping)] = Field(None, alias="config", description="kvpool settings merged over the file, e.g. `{\"dram\": {\"capacity\": \"32GiB\"}}`; a mapping, validated as a kvpool config.")
 
     @field_validator("config_path")

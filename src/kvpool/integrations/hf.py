@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,11 +28,13 @@ from prometheus_client.registry import CollectorRegistry
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvpool.integrations.retention import merged_retention, retain_for_save, retention_now
 from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import KVLayout, Namespace
 from kvpool.metrics.engine import EngineCollector, EngineCounts
 from kvpool.metrics.recorder import LabeledLatency
 from kvpool.priority import lower_thread_priority
+from kvpool.retention import Retention
 
 log = logging.getLogger("kvpool.integrations.hf")
 
@@ -114,7 +116,10 @@ class PrefixCache:
 
     ``store=None`` is plain recompute (the baseline), with the same code path otherwise.
     ``save_wait_s``: how long a prefill waits for a still-running save of chunks it shares
-    before it recomputes them instead (read-your-writes).
+    before it recomputes them instead (read-your-writes). ``retention``: what its saves ask
+    to be kept for (docs/retention.md), e.g. ``{"priority": "high", "ttl_s": 3600}``; a
+    ``prefill`` / ``generate`` call's own ``retention=`` overrides it key by key (a pin the
+    pool refuses is logged and the chunks saved unpinned). ArgumentError for a bad one.
 
     Saving stays off the request that produced the KV: ``generate`` starts the save only once
     the first token is out, so the copies into the store never share the TTFT window, and the
@@ -130,8 +135,11 @@ class PrefixCache:
 
     def __init__(self, model: Any, store: ChunkStore | None, chunk_tokens: int = 256,
                  tenant_salt: str = "", model_id: str | None = None,
-                 save_wait_s: float = 2.0, saver_nice: int = 10) -> None:
+                 save_wait_s: float = 2.0, saver_nice: int = 10,
+                 retention: Mapping[str, Any] | None = None) -> None:
         self.model = model
+        Retention.from_mapping(retention)  # a bad one fails now
+        self.retention = dict(retention) if retention else None
         self.store = store
         self.save_wait_s = save_wait_s
         self.ns = namespace_for(model, chunk_tokens, tenant_salt, model_id)
@@ -240,7 +248,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ save
     def _save(self, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
-              keys: list[bytes], first: int) -> int:
+              keys: list[bytes], first: int, retention: dict[str, Any] | None = None) -> int:
         """Copy chunks ``first..`` of the cache straight into reserved slots of the store (one
         copy per byte), then commit them as one batch."""
         assert self.store is not None
@@ -248,6 +256,7 @@ class PrefixCache:
         shape = (self.layers, 2, self.kv_heads, c, self.head_dim)
         stored = 0
         slots: list[Any] = []
+        retain_for_save(self.store, self.ns, keys[first:], retention_now(retention))
         try:
             for j, key in enumerate(keys[first:], start=first):
                 slot = self.store.reserve(self.ns, key)
@@ -270,10 +279,12 @@ class PrefixCache:
             self.dropped_saves += (len(keys) - first) - stored
         return stored
 
-    def save_async(self, cache: DynamicCache, keys: Sequence[bytes], first: int) -> None:
-        """Hand chunks ``first..len(keys)`` of a filled cache to the store in the background.
-        Layers whose cache no longer holds every token (sliding windows) make the chunks
-        unsavable: they are skipped and counted as dropped."""
+    def save_async(self, cache: DynamicCache, keys: Sequence[bytes], first: int,
+                   retention: Mapping[str, Any] | None = None) -> None:
+        """Hand chunks ``first..len(keys)`` of a filled cache to the store in the background,
+        with the engine's retention under ``retention``'s keys. Layers whose cache no longer
+        holds every token (sliding windows) make the chunks unsavable: they are skipped and
+        counted as dropped."""
         if self.store is None or first >= len(keys):
             return
         total = len(keys) * self.ns.chunk_tokens
@@ -286,7 +297,8 @@ class PrefixCache:
         # cache tensors are replaced, never written in place, as generation goes on, so the
         # saver may read these references while the model keeps decoding
         self._pending = [(f, k) for f, k in self._pending if not f.done()]
-        self._pending.append((self._saver.submit(self._save, layers, list(keys), first),
+        merged = merged_retention(self.retention, retention)
+        self._pending.append((self._saver.submit(self._save, layers, list(keys), first, merged),
                               frozenset(keys[first:])))
 
     def _wait_for_saves_of(self, keys: Sequence[bytes]) -> None:
@@ -308,10 +320,12 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ prefill / generate
     @torch.inference_mode()
-    def prefill(self, input_ids: Sequence[int]) -> Prefill:
-        """Restore what the store has, compute the rest, start saving new chunks."""
+    def prefill(self, input_ids: Sequence[int],
+                retention: Mapping[str, Any] | None = None) -> Prefill:
+        """Restore what the store has, compute the rest, start saving new chunks (with
+        ``retention``, see the class)."""
         pre, keys, restored = self._prefill(input_ids)
-        self.save_async(pre.cache, keys, restored)
+        self.save_async(pre.cache, keys, restored, retention)
         return pre
 
     def _prefill(self, input_ids: Sequence[int]) -> tuple[Prefill, list[bytes], int]:
@@ -349,7 +363,8 @@ class PrefixCache:
 
     @torch.inference_mode()
     def generate(self, input_ids: Sequence[int], max_new_tokens: int,
-                 eos_token_id: int | None = None) -> Generation:
+                 eos_token_id: int | None = None,
+                 retention: Mapping[str, Any] | None = None) -> Generation:
         """Greedy decoding; ``ttft_s`` is the time to the first generated token. The new
         chunks' save starts right after that token, before the first decode step."""
         start = time.perf_counter()
@@ -357,7 +372,7 @@ class PrefixCache:
         token = int(torch.argmax(pre.logits))
         ttft = time.perf_counter() - start
         self.ttft.record("hf", ttft)
-        self.save_async(pre.cache, keys, restored)
+        self.save_async(pre.cache, keys, restored, retention)
         tokens = [token]
         cache = pre.cache
         while len(tokens) < max_new_tokens and token != eos_token_id:

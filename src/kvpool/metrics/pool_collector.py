@@ -48,6 +48,7 @@ class PoolCollector(Collector):
         pool_counters(out, stats, self._tiers)
         tier_counters(out, stats)
         remote_metrics(out, stats)
+        retention_metrics(out, stats)
         latency = self._latency()
         if latency is not None:
             ops, tiers = latency.snapshot()
@@ -111,6 +112,26 @@ def tier_counters(out: Families, stats: Stats) -> None:
         out.add("kvpool_capacity_bytes", ssd["capacity_bytes"], "ssd")
         out.add("kvpool_used_bytes", ssd["used_bytes"], "ssd")
         out.add("kvpool_chunks", ssd["records"], "ssd")
+
+
+def retention_metrics(out: Families, stats: Stats) -> None:
+    """Pins, TTL expiries and tenant quotas (retention/)."""
+    retention = stats.get("retention")
+    if retention is None:
+        return
+    out.add("kvpool_pinned_bytes", retention["pinned_bytes"])
+    out.add("kvpool_pinned_limit_bytes", retention["max_pinned_bytes"])
+    out.add("kvpool_pins_refused_total", retention["pins_refused"])
+    out.add("kvpool_expired_chunks_total", retention["expired"])
+    for tenant, t in retention["tenants"].items():
+        if t["dram_quota_bytes"] is None and t["ssd_quota_bytes"] is None:
+            continue  # series only for the configured tenants: bounded label values
+        for tier in ("dram", "ssd"):
+            out.add("kvpool_tenant_bytes", t[f"{tier}_bytes"], tenant, tier)
+            if t[f"{tier}_quota_bytes"] is not None:
+                out.add("kvpool_tenant_quota_bytes", t[f"{tier}_quota_bytes"], tenant, tier)
+        out.add("kvpool_tenant_quota_drops_total", t["quota_drops"], tenant)
+        out.add("kvpool_tenant_quota_evictions_total", t["ssd_quota_evictions"], tenant)
 
 
 def remote_metrics(out: Families, stats: Stats) -> None:

@@ -39,14 +39,15 @@ from kvpool.cluster.etcd_membership import EtcdMembership
 from kvpool.cluster.membership import Membership, StaticMembership
 from kvpool.config import ClusterConfig
 from kvpool.counters import Counters
-from kvpool.errors import ChunkSizeError
+from kvpool.errors import ChunkSizeError, PinLimitError
 from kvpool.keys import Namespace
 from kvpool.net.connection import NodeConnection, NodePool
 from kvpool.net.placement import holders, replicas
-from kvpool.net.protocol import AuthError, ProtocolError, RemoteError
+from kvpool.net.protocol import RETAIN_BATCH_KEYS, AuthError, ProtocolError, RemoteError
 from kvpool.net.read_repair import ReadRepairer
 from kvpool.net.tls import client_tls
 from kvpool.net.touch import ReplicaToucher
+from kvpool.retention import Retention
 
 log = logging.getLogger("kvpool.cluster")
 T = TypeVar("T")
@@ -173,7 +174,7 @@ class ClusterClient:
                 conn.close()
                 raise
             pool.give_back(conn)
-        except AuthError:
+        except (AuthError, PinLimitError):
             raise
         except RemoteError as exc:
             self._counters.add("remote_errors")
@@ -368,6 +369,28 @@ class ClusterClient:
                     if node_id in missed:
                         self._repairer.offer(node_id, ns, keys[i], datas[i], hint=True)
 
+    def retain(self, ns: Namespace, keys: Sequence[bytes], retention: Retention) -> int:
+        """Send ``retention`` for ``keys`` to the nodes they are placed on (RETAIN, before
+        or after their PUTs); keys recorded, summed over nodes. A node that fails is marked
+        down (its copies keep the default retention); raises PinLimitError when a node refuses
+        the pins."""
+        if not keys:
+            return 0
+        placement = self._write_placement(ns, keys)
+        per_node: defaultdict[str, list[bytes]] = defaultdict(list)
+        for key, nodes in zip(keys, placement, strict=True):
+            for node_id in nodes:
+                per_node[node_id].append(key)
+        wire = retention.to_mapping()
+        results = self._fan_out({n: _retain_job(ns, k, wire) for n, k in per_node.items()})
+        return sum(r or 0 for r in results.values())
+
+    def release(self, ns: Namespace, session: str, delete: bool) -> int:
+        """End ``session`` of the namespace's tenant on every live node; chunks released."""
+        results = self._fan_out({n: (lambda c: c.release(ns, session, delete))
+                                 for n in self.live_nodes()})
+        return sum(r or 0 for r in results.values())
+
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Delete from every live node (replicas may have moved); returns chunks removed."""
         results = self._fan_out({n: _delete_job(ns, list(keys)) for n in self.live_nodes()})
@@ -458,6 +481,12 @@ def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any],
              batch_bytes: int) -> Callable[[NodeConnection], int]:
     return lambda c: sum(c.put(ns, keys[b], datas[b])
                          for b in _batches(ns, len(keys), batch_bytes))
+
+
+def _retain_job(ns: Namespace, keys: list[bytes],
+                retention: dict[str, Any]) -> Callable[[NodeConnection], int]:
+    return lambda c: sum(c.retain(ns, keys[i:i + RETAIN_BATCH_KEYS], retention)
+                         for i in range(0, len(keys), RETAIN_BATCH_KEYS))
 
 
 def _delete_job(ns: Namespace, keys: list[bytes]) -> Callable[[NodeConnection], int]:

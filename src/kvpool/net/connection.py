@@ -53,6 +53,7 @@ from kvpool.net.protocol import (
     Status,
     error_for,
     pack_keys,
+    pack_retain,
     parse_flags,
     unpack_header,
 )
@@ -283,6 +284,25 @@ class NodeConnection:
         self.declare(ns)
         head, _ = self.call(Op.PUT, len(keys), pack_keys(ns.id, list(keys)), views)
         return head.count
+
+    def retain(self, ns: Namespace, keys: Sequence[bytes], retention: dict[str, Any]) -> int:
+        """RETAIN: ask the node to keep ``keys`` as ``retention`` (a Retention's
+        ``to_mapping``) says, sent before or after their PUT; keys recorded. 0 without asking
+        a node older than Feature.RETENTION. Raises RemotePinLimitError (a PinLimitError) when
+        the node refuses the pins."""
+        self.declare(ns)
+        if self.features is None or Feature.RETENTION not in self.features:
+            return 0
+        return self.call(Op.RETAIN, len(keys), pack_retain(ns.id, keys, retention))[0].count
+
+    def release(self, ns: Namespace, session: str, delete: bool) -> int:
+        """RELEASE: end ``session`` for the namespace's tenant on this node; chunks released
+        (0 without asking a node older than Feature.RETENTION)."""
+        self.declare(ns)
+        if self.features is None or Feature.RETENTION not in self.features:
+            return 0
+        meta = ns.id + json.dumps({"session": session, "delete": delete}).encode()
+        return self.call(Op.RELEASE, meta=meta)[0].count
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         self.declare(ns)

@@ -40,6 +40,11 @@ INVALIDATE     ns (declared, or any id    count = chunks dropped
 STATS          -                          JSON counters and the node's namespaces:
                                           node-wide for the admin token (or with auth
                                           off), the asking tenant's own otherwise
+RETAIN         ns + keys + JSON retention count = keys recorded (docs/retention.md);
+               (retention/spec.py          PIN_LIMIT when the pins would pass the
+               ``to_mapping``)             node's pool.max_pinned_fraction
+RELEASE        ns + JSON {"session",      count = chunks released (the session is
+               "delete"}                  scoped by the namespace's tenant)
 =============  =========================  ==========================================
 
 GET's ``count`` is the number of keys to fetch; a client may append further keys after them
@@ -56,12 +61,15 @@ a client cannot tell from a crash. Instead a node advertises them as Feature bit
 NAMESPACE answer, which every connection sends before its first keyed request, and a client
 uses them only on nodes that advertised them. To an older node it sends EXISTS_PREFIX and
 reads the answer as "the first ``count`` keys held, the rest unknown" (so an old node can
-only under-report: a miss, never a wrong hit), and sends no touches.
+only under-report: a miss, never a wrong hit), and sends no touches. RETAIN and RELEASE are
+sent only to nodes advertising Feature.RETENTION (an older node keeps plain LRU-by-policy
+behaviour: no pins, TTLs or sessions); an old client never sends them.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,7 +77,7 @@ from typing import cast
 
 import numpy as np
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, PinLimitError
 from kvpool.keys import KEY_BYTES
 
 MAGIC = b"KVPN"
@@ -92,6 +100,8 @@ class Op(enum.IntEnum):
     STATS = 9
     EXISTS = 10
     TOUCH = 11
+    RETAIN = 12
+    RELEASE = 13
 
 
 class Feature(enum.IntFlag):
@@ -99,13 +109,16 @@ class Feature(enum.IntFlag):
 
     EXISTS_TOUCH = 1  # knows Op.EXISTS and Op.TOUCH
     GET_TOUCH = 2  # touches the keys a GET carries after its ``count`` keys
+    RETENTION = 4  # knows Op.RETAIN and Op.RELEASE
 
 
 #: Everything this version speaks: a node advertises it, a client masks answers with it.
-FEATURES = Feature.EXISTS_TOUCH | Feature.GET_TOUCH
+FEATURES = Feature.EXISTS_TOUCH | Feature.GET_TOUCH | Feature.RETENTION
 #: Opcodes whose metadata is a namespace id and keys (sized by server.max_keys).
 KEYED_OPS = frozenset({Op.EXISTS_PREFIX, Op.EXISTS, Op.TOUCH, Op.GET, Op.PUT, Op.DELETE,
-                       Op.INVALIDATE})
+                       Op.INVALIDATE, Op.RETAIN})
+#: Most keys a client sends in one RETAIN (its JSON must fit the room max_keys leaves).
+RETAIN_BATCH_KEYS = 4096
 
 
 class Status(enum.IntEnum):
@@ -118,6 +131,7 @@ class Status(enum.IntEnum):
     TOO_LARGE = 6
     BUSY = 7
     INTERNAL = 8
+    PIN_LIMIT = 9  # RETAIN: the pins would pass the node's pool.max_pinned_fraction
 
 
 class ProtocolError(KVPoolError):
@@ -135,6 +149,11 @@ class RemoteError(KVPoolError):
 
 class AuthError(RemoteError):
     """The node refused the token, or the namespace belongs to another tenant."""
+
+
+class RemotePinLimitError(RemoteError, PinLimitError):
+    """A node refused a RETAIN's pins (status PIN_LIMIT): its pinned bytes would pass its
+    pool.max_pinned_fraction."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +220,28 @@ def split_get_keys(meta: bytes | memoryview,
     return ns_id, keys[:count], keys[count:]
 
 
+def pack_retain(ns_id: bytes, keys: Sequence[bytes], retention: dict[str, object]) -> bytes:
+    """A RETAIN's metadata: namespace id, keys, then the retention as JSON."""
+    return ns_id + b"".join(keys) + json.dumps(retention, separators=(",", ":")).encode()
+
+
+def split_retain(meta: bytes | memoryview,
+                 count: int) -> tuple[bytes, list[bytes], dict[str, object]]:
+    """Inverse of pack_retain. Raises ProtocolError when the keys or the JSON object are
+    not there."""
+    end = NS_BYTES + count * KEY_BYTES
+    if len(meta) < end:
+        raise ProtocolError(f"RETAIN metadata of {len(meta)} bytes does not hold {count} keys")
+    try:
+        retention = json.loads(bytes(meta[end:]))
+    except ValueError as exc:
+        raise ProtocolError(f"RETAIN retention is not JSON: {exc}") from None
+    if not isinstance(retention, dict):
+        raise ProtocolError("RETAIN retention must be a JSON object")
+    ns_id, keys = split_keys(meta[:end], count)
+    return ns_id, keys, retention
+
+
 def pack_flags(flags: list[bool]) -> bytes:
     """One byte per key, in key order: 1 = held, 0 = not (GET and EXISTS answers)."""
     return bytes(flags)
@@ -222,6 +263,8 @@ def error_for(status: int, message: str) -> RemoteError:
         message = f"unknown status {status}: {message}"
     if st in (Status.AUTH_FAILED, Status.AUTH_REQUIRED, Status.FORBIDDEN):
         return AuthError(st, message)
+    if st is Status.PIN_LIMIT:
+        return RemotePinLimitError(st, message)
     return RemoteError(st, message)
 
 

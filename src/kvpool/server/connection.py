@@ -56,6 +56,7 @@ from kvpool.net.protocol import (
     split_keys,
     unpack_header,
 )
+from kvpool.server import retention
 from kvpool.server.lane import Lane
 from kvpool.server.store import NodeStore, Refused
 from kvpool.server.traffic import DISCARD_BYTES, IOV_MAX, Traffic
@@ -326,6 +327,10 @@ class Connection:
             if req.meta_len != NS_BYTES:
                 raise ProtocolError("INVALIDATE metadata must be one namespace id")
             await self.reply(req, count=await store.invalidate(session, bytes(meta)))
+        elif op is Op.RETAIN:
+            await self.reply(req, count=retention.retain(store, session, meta, req.count))
+        elif op is Op.RELEASE:
+            await self.reply(req, count=await retention.release(store, session, meta))
         elif op is Op.GET:
             ns_id, keys, touch = split_get_keys(meta, req.count)
             await self._get(req, ns_id, keys, touch)

@@ -64,6 +64,7 @@ from kvpool.server.health import events_page, health_pages
 from kvpool.server.query import QueryService
 from kvpool.server.reload import LiveSettings
 from kvpool.server.repair import NodeRepair, RepairCollector, start_node_repair
+from kvpool.server.retention import expire_due
 from kvpool.server.store import NodeStore, scoped_chunk_key, scoped_chunk_keys
 from kvpool.server.traffic import Traffic
 
@@ -374,9 +375,10 @@ class StorageNode:
             conn.sock.close()
 
     async def _sweep_idle(self) -> None:
-        """Once a second (or faster for short timeouts): cut off idle or stalled peers. One
-        timer for the node instead of one per request; the timeouts are read each round (a
-        reload may change them)."""
+        """Once a second (or faster for short timeouts): cut off idle or stalled peers, and
+        drop chunks whose retention TTL passed (server/retention.py). One timer for the node
+        instead of one per request; the timeouts are read each round (a reload may change
+        them)."""
         srv = self.config.server
         while True:
             await asyncio.sleep(min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4,
@@ -384,6 +386,7 @@ class StorageNode:
             now = time.monotonic()  # the connections' clock (lane threads write it too)
             for conn in [*self._connections.values(), *self._refusing.values()]:
                 conn.close_if_idle(now)
+            await expire_due(self.pool, self.executor)
 
     async def serve(self, ready: threading.Event | None = None) -> None:
         """Serve until ``stop()`` (or a signal when run by ``run``)."""

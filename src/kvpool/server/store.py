@@ -579,8 +579,10 @@ class NodeStore:
         its namespaces, every tier's and every tenant's."""
         if self.auth.enabled and not session.admin:
             mine = session.tenants or frozenset()
+            quotas = {t: q for t, q in self.pool.quotas.stats().items() if t in mine}
             return {"server": self._identity(), "tenants": self._tenant_table(mine),
-                    "namespaces": self.namespaces.listing(mine)}
+                    "namespaces": self.namespaces.listing(mine),
+                    "retention": {"tenants": quotas}}
         server: dict[str, Any] = self.counters.snapshot()
         server.update(self._identity(), **transport, **self.namespaces.stats(),
                       draining=self.drained, held_bytes=self.held.held,

@@ -16,6 +16,7 @@ from kvpool.errors import ChunkSizeError, PoolClosedError
 from kvpool.events.sink import TierEvents
 from kvpool.keys import Namespace
 from kvpool.policy import EvictionPolicy, make_eviction_policy
+from kvpool.retention import RetainingPolicy, RetentionBook, TenantQuotas
 from kvpool.tiers.arena import SlotArena
 from kvpool.tiers.base import DemotionSink, Item, local_lookup
 from kvpool.tiers.slots import PinnedView, SlotReservation, _Entry
@@ -33,7 +34,9 @@ class DramTier:
 
     def __init__(self, capacity: int, slab_size: int = 64 << 20, eviction: str = "s3fifo",
                  shm_path: str | None = None, demote: DemotionSink | None = None,
-                 put_wait_s: float = 1.0, prefault: str = "none") -> None:
+                 put_wait_s: float = 1.0, prefault: str = "none",
+                 retention: RetentionBook | None = None,
+                 quotas: TenantQuotas | None = None) -> None:
         self._arena = SlotArena(capacity, slab_size, shm_path, prefault)
         self._eviction = eviction
         # Validate the name now, not at the first eviction; only a policy that uses batch
@@ -49,10 +52,13 @@ class DramTier:
         #: KV events (docs/routing.md): told of every chunk stored and removed; None: off.
         self.events: TierEvents | None = None
         self._put_wait_s = put_wait_s
+        #: Retention (retention/): wraps each policy; quotas bound each tenant's bytes.
+        self._retention = retention
+        self._quotas = quotas if quotas is not None and quotas.enabled else None
         self._closed = False
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "put_bytes", "hits", "misses", "evictions", "dropped_puts",
-             "slab_steals", "namespace_mismatches"), 0)
+             "slab_steals", "namespace_mismatches", "quota_drops"), 0)
 
     @property
     def capacity(self) -> int:
@@ -72,7 +78,10 @@ class DramTier:
     def _policy(self, slot_size: int) -> EvictionPolicy:
         policy = self._policies.get(slot_size)
         if policy is None:
-            policy = self._policies[slot_size] = make_eviction_policy(self._eviction)
+            policy = make_eviction_policy(self._eviction)
+            if self._retention is not None:
+                policy = RetainingPolicy(policy, self._retention)
+            self._policies[slot_size] = policy
         return policy
 
     # ------------------------------------------------------------------ writes
@@ -131,7 +140,19 @@ class DramTier:
                 existing.on_lower |= on_lower
                 self._policy(slot_size).touch(key)
                 return True
-            offset = self._alloc_locked(slot_size, evicted, wait)
+            tenant = ns.tenant if self._quotas is not None else None
+            if tenant is not None and self._quotas is not None \
+                    and self._quotas.dram_full(tenant, slot_size):
+                offset = self._alloc_own_locked(slot_size, evicted, tenant)
+                if offset is None:
+                    self._counters["quota_drops"] += 1
+                    self._quotas.dropped(tenant)
+                    self._hand_over(evicted)
+                    return False
+            else:
+                offset = self._alloc_locked(slot_size, evicted, wait)
+            if offset is not None and tenant is not None and self._quotas is not None:
+                self._quotas.charge_dram(tenant, slot_size)
         self._hand_over(evicted)
         if offset is None:
             if not wait:
@@ -145,7 +166,10 @@ class DramTier:
         with self._lock:
             if key in self._entries or self._closed:  # a concurrent put of the same chunk won
                 self._release_slot(entry)
+                self._uncharge(entry)
                 return True
+            if self._retention is not None and self._retention.entries:
+                entry.ephemeral = self._retention.ephemeral(key)
             self._entries[key] = entry
             self._policy(entry.slot_size).insert(key)
             self._counters["puts"] += 1
@@ -158,6 +182,12 @@ class DramTier:
         with self._lock:
             if not self._closed:
                 self._release_slot(entry)
+                self._uncharge(entry)
+
+    def _uncharge(self, entry: _Entry) -> None:
+        """A reserved slot given back unpublished: its quota charge too."""
+        if self._quotas is not None:
+            self._quotas.charge_dram(entry.ns.tenant, -entry.slot_size)
 
     def _alloc_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]],
                       wait: bool = True) -> int | None:
@@ -168,12 +198,7 @@ class DramTier:
                 return offset
             victim = self._policy(slot_size).evict(self._evictable)
             if isinstance(victim, bytes):
-                entry = self._entries.pop(victim)
-                # The slot is ours alone from here: its bytes stay intact until our copy, so
-                # the hook may read them after the lock is released.
-                evicted.append((victim, entry))
-                self._counters["evictions"] += 1
-                return int(entry.offset)  # same size class: the victim's slot becomes ours
+                return self._take_victim_locked(victim, evicted)
             if self._steal_slab_locked(slot_size, evicted):
                 continue
             if not wait:
@@ -183,6 +208,36 @@ class DramTier:
             if now >= deadline or self._closed:
                 return None
             self._cond.wait(deadline - now)
+
+    def _take_victim_locked(self, victim: bytes, evicted: list[tuple[bytes, _Entry]]) -> int:
+        entry = self._entries.pop(victim)
+        # The slot is ours alone from here: its bytes stay intact until our copy, so
+        # the hook may read them after the lock is released.
+        evicted.append((victim, entry))
+        self._counters["evictions"] += 1
+        self._left(victim, entry)
+        return int(entry.offset)  # same size class: the victim's slot becomes ours
+
+    def _alloc_own_locked(self, slot_size: int, evicted: list[tuple[bytes, _Entry]],
+                          tenant: str) -> int | None:
+        """A slot for a tenant at its DRAM quota: the slot of one of its own chunks of this
+        size class (by policy and retention), never a free one nor another tenant's; None
+        when none of its own can go (the save is dropped, never waited for)."""
+        entries = self._entries
+
+        def own(key: Any) -> bool:
+            entry = entries[key]
+            return entry.pins == 0 and entry.ns.tenant == tenant
+
+        victim = self._policy(slot_size).evict(own)
+        return self._take_victim_locked(victim, evicted) if isinstance(victim, bytes) else None
+
+    def _left(self, key: bytes, entry: _Entry) -> None:
+        """A chunk left DRAM (evicted, deleted, its slab stolen): retention and quota books."""
+        if self._quotas is not None:
+            self._quotas.charge_dram(entry.ns.tenant, -entry.slot_size)
+        if self._retention is not None and key in self._retention.entries:
+            self._retention.left_dram(key)
 
     def _evictable(self, key: Any) -> bool:
         return self._entries[key].pins == 0
@@ -206,6 +261,7 @@ class DramTier:
                 for key, entry in residents:
                     del self._entries[key]
                     self._policy(donor.slot_size).remove(key)
+                    self._left(key, entry)
                     self._arena.free(entry.slot_size, entry.offset)
                     self._counters["evictions"] += 1
                 # Other threads may write into the slab as soon as the lock drops, so these
@@ -226,6 +282,8 @@ class DramTier:
         if self._demote is None:
             return
         for key, entry in evicted:
+            if entry.ephemeral:
+                continue
             self._demote.demote(key, entry.ns, self._arena.view(entry.offset, entry.nbytes),
                                 entry.hits, entry.on_lower)
 
@@ -239,6 +297,11 @@ class DramTier:
         with self._lock:
             self._check_open()
             entry = self._entries.get(key)
+            retention = self._retention
+            if entry is not None and retention is not None \
+                    and (retention.any_expired or key in retention.entries) \
+                    and retention.expired(key):
+                entry = None  # its TTL passed: a miss until the pool drops it
             if entry is None or (namespace_id is not None and entry.ns.id != namespace_id):
                 if count_miss:
                     self._counters["misses"] += 1
@@ -327,6 +390,7 @@ class DramTier:
         if entry is None:
             return False
         self._policy(entry.slot_size).remove(key)
+        self._left(key, entry)
         if entry.pins:
             entry.doomed = True
             self._doomed[entry.offset] = entry
@@ -365,7 +429,7 @@ class DramTier:
         a lower tier was known to hold it when it came in (it may have evicted it since)."""
         with self._lock:
             self._check_open()
-            return [(k, e.ns, e.on_lower) for k, e in self._entries.items()]
+            return [(k, e.ns, e.on_lower) for k, e in self._entries.items() if not e.ephemeral]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

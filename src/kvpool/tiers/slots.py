@@ -22,6 +22,7 @@ class _Entry:
     pins: int = 0
     on_lower: bool = False
     doomed: bool = False  # deleted while pinned: free the slot at the last unpin
+    ephemeral: bool = False  # retention: never demoted, never drained below DRAM
 
 
 class PinnedView:

@@ -24,6 +24,7 @@ from kvpool.counters import Counters
 from kvpool.errors import PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.policy import AdmissionPolicy, make_admission_policy, resolve_eviction_policy
+from kvpool.retention import RetentionBook, TenantQuotas
 from kvpool.ssd.engine import SsdEngine
 from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramTier
@@ -54,6 +55,10 @@ class Demoter:
         self._admission = admission
         self._targets = list(targets)
         self._holds = holds
+        #: Called with each batch before it is offered to the targets (the pool keeps
+        #: tenants within their SSD quotas there: retention/quotas.py); None: nothing.
+        self.before_write: Callable[[Sequence[tuple[bytes, Namespace, memoryview]]],
+                                    object] | None = None
         #: Victims handed to the targets (each target may still drop it, counted there);
         #: written_back: those of them the SSD had held and evicted while DRAM served them.
         self.demoted = Counters("demotions", "written_back")
@@ -74,6 +79,8 @@ class Demoter:
         if (on_lower and not lost) or not self._admission.admit(key, hits):
             return
         self.demoted.add_many({"demotions": 1, "written_back": int(lost)})
+        if self.before_write is not None:
+            self.before_write([(key, ns, payload)])
         for target in self._targets:
             target.put_many([(key, ns, payload)])
 
@@ -93,6 +100,8 @@ class Demoter:
                 ns, hits, view = found
                 try:
                     if self._admission.admit(key, hits):
+                        if self.before_write is not None:
+                            self.before_write([(key, ns, view.data)])
                         for target in self._targets:
                             target.put_many([(key, ns, view.data)])
                         offered += 1
@@ -127,6 +136,8 @@ class TierStack:
     drain_batch: int = 16
     #: The DRAM tier's demotion sink (None without DRAM).
     demoter: Demoter | None = None
+    #: The storage nodes' tier (None without a cluster): retention requests go to it.
+    remote: RemoteTier | None = None
 
     def write_back_dropped(self) -> int:
         """Write back, through the SSD's write-behind queue, the chunks DRAM holds whose SSD
@@ -215,8 +226,10 @@ class TierStack:
             raise error
 
 
-def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
-    """The tiers ``cfg`` asks for. Raises what the tiers raise when they cannot be opened
+def build_tiers(cfg: Config, remote: bool = True, retention: RetentionBook | None = None,
+                quotas: TenantQuotas | None = None) -> TierStack:
+    """The tiers ``cfg`` asks for; DRAM honours ``retention`` and ``quotas`` when given.
+    Raises what the tiers raise when they cannot be opened
     (OSError, ValueError, CacheDirLockedError, InsufficientSpaceError, ...), after closing the
     ones already open."""
     stack = TierStack([], None)
@@ -238,7 +251,7 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
             stack.drain_staging = ssd_staging
             stack.drain_batch = cfg.pool.write_behind_batch
         if remote and cfg.cluster.enabled:
-            nodes = RemoteTier(cfg.cluster)
+            nodes = stack.remote = RemoteTier(cfg.cluster)
             stack.tiers.append(nodes)
             staging = WriteBehind(nodes.client, cfg.cluster.write_behind_bytes,
                                   cfg.pool.write_behind_batch, label="cluster",
@@ -264,7 +277,8 @@ def build_tiers(cfg: Config, remote: bool = True) -> TierStack:
             eviction = resolve_eviction_policy(d.eviction, has_lower_tier=bool(stack.tiers))
             stack.front = DramTier(d.capacity, d.slab_size, eviction, d.shm_path,
                                    demote=demoter, put_wait_s=d.put_wait_s,
-                                   prefault=d.prefault)
+                                   prefault=d.prefault, retention=retention,
+                                   quotas=quotas)
             stack.tiers.insert(0, stack.front)
     except BaseException:
         stack.close()

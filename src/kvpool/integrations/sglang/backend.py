@@ -46,6 +46,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvpool.counters import Counters
 from kvpool.errors import ConfigError
+from kvpool.integrations.retention import retain_for_save, retention_now
 from kvpool.integrations.sglang.layout import (
     PageGeometry,
     RankIdentity,
@@ -241,6 +242,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                    pages: list[Sequence[int]]) -> list[bool]:
         assert self._copier is not None
         kv_keys = self._keys(ns, keys)
+        retain_for_save(self.pool, ns, kv_keys, retention_now(self.settings.retention))
         done = [False] * len(keys)
         slots: list[tuple[int, ChunkReservation]] = []
         try:
@@ -320,8 +322,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not self.writer:
             return True
         try:
-            stored = self.pool.put_many(ns, self._keys(ns, keys),
-                                        [self._flat_view(ns, v) for v in values])
+            kv_keys = self._keys(ns, keys)
+            retain_for_save(self.pool, ns, kv_keys, retention_now(self.settings.retention))
+            stored = self.pool.put_many(ns, kv_keys, [self._flat_view(ns, v) for v in values])
         except Exception:
             self._fault("write")
             return False

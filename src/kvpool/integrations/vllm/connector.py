@@ -130,6 +130,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.end_step()
+            meta = self._meta()
+            if meta is not None and meta.releases:
+                self._worker.release(meta.releases)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -190,7 +193,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return tables.get(req_id, [])
 
         loads, stores = self._sched.build(dict(so.num_scheduled_tokens), computed, block_table)
-        return KVPoolConnectorMetadata(loads=loads, stores=stores)
+        return KVPoolConnectorMetadata(loads=loads, stores=stores,
+                                       releases=self._sched.take_releases())
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None and connector_output.invalid_block_ids:

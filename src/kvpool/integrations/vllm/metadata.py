@@ -19,6 +19,9 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[ReqTransfer] = field(default_factory=list)
     stores: list[ReqTransfer] = field(default_factory=list)
+    #: Sessions to end, (session, delete), after this step's saves (kv_transfer_params'
+    #: release_session / release_delete).
+    releases: list[tuple[str, bool]] = field(default_factory=list)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,8 @@ class ChunkCopy:
 class ReqTransfer:
     req_id: str
     chunks: tuple[ChunkCopy, ...]
+    #: Stores: the retention parameters of the request's saves (docs/retention.md).
+    retention: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -22,9 +22,11 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from kvpool.integrations.retention import retain_for_save, retention_now
 from kvpool.integrations.vllm.plan import ReqTransfer
 from kvpool.integrations.vllm.stats import StatsWriter
 from kvpool.keys import Namespace
@@ -37,10 +39,12 @@ class _PendingSave:
     """One chunk being gathered into its reserved pool slot: ``pages`` holds its engine block
     ids, ``layers`` how many layers are in."""
 
-    __slots__ = ("key", "layers", "pages", "req_id", "slot")
+    __slots__ = ("key", "layers", "pages", "req_id", "retention", "slot")
 
-    def __init__(self, req_id: str, pages: torch.Tensor, slot: ChunkReservation) -> None:
+    def __init__(self, req_id: str, pages: torch.Tensor, slot: ChunkReservation,
+                 retention: dict[str, Any] | None = None) -> None:
         self.req_id, self.pages, self.slot, self.key = req_id, pages, slot, slot.key
+        self.retention = retention
         self.layers = 0
 
 
@@ -49,6 +53,14 @@ class _Marker:
 
     def __init__(self, done: threading.Event) -> None:
         self.done = done
+
+
+class _Release:
+    """A commit-queue entry: end these sessions (session, delete) once what was queued
+    before is committed."""
+
+    def __init__(self, sessions: Sequence[tuple[str, bool]]) -> None:
+        self.sessions = list(sessions)
 
 
 class Saves:
@@ -64,7 +76,7 @@ class Saves:
         self._committed = threading.Condition(self._lock)
         self._inflight: dict[bytes, int] = {}  # handed to the committer, not yet committed
         self._pending: list[_PendingSave] = []  # being gathered this step
-        self._commits: queue.SimpleQueue[list[_PendingSave] | _Marker | None] = \
+        self._commits: queue.SimpleQueue[list[_PendingSave] | _Marker | _Release | None] = \
             queue.SimpleQueue()
         self._committer = threading.Thread(target=self._commit_loop, name="kvpool-save",
                                            daemon=True)
@@ -89,7 +101,7 @@ class Saves:
                                    strict=False):
                 if isinstance(slot, ChunkReservation):
                     ids = torch.tensor(chunk.block_ids, dtype=torch.long)
-                    self._pending.append(_PendingSave(req.req_id, ids, slot))
+                    self._pending.append(_PendingSave(req.req_id, ids, slot, req.retention))
                     continue
                 self._unbook(1)
                 dropped += slot is not True  # True: already stored (a prompt's last chunk)
@@ -165,7 +177,11 @@ class Saves:
             if isinstance(batch, _Marker):
                 batch.done.set()
                 continue
+            if isinstance(batch, _Release):
+                self._release(batch.sessions)
+                continue
             try:
+                self._retain(batch)
                 stored = self.pool.commit_many([p.slot for p in batch])
             except Exception:
                 log.exception("kvpool save failed; dropped")
@@ -181,6 +197,31 @@ class Saves:
                             self._inflight[p.key] = left
                     self._committed.notify_all()
             self.stats.add(stored_chunks=stored, dropped_chunks=len(batch) - stored)
+
+    def _retain(self, batch: list[_PendingSave]) -> None:
+        """Record each request's retention for its chunks before they are committed (an
+        ephemeral chunk must be known as such before it is published)."""
+        by_req: dict[str, list[_PendingSave]] = {}
+        for p in batch:
+            if p.retention:
+                by_req.setdefault(p.req_id, []).append(p)
+        for saves in by_req.values():
+            retention = retention_now(saves[0].retention)
+            if not retain_for_save(self.pool, self.ns, [p.key for p in saves], retention):
+                self.stats.add(pins_refused=1)
+
+    def release(self, sessions: Sequence[tuple[str, bool]]) -> None:
+        """End ``sessions`` after the saves queued so far (KVPool.release)."""
+        self._commits.put(_Release(sessions))
+
+    def _release(self, sessions: Sequence[tuple[str, bool]]) -> None:
+        for session, delete in sessions:
+            try:
+                self.pool.release(session, delete)
+            except Exception:
+                log.exception("kvpool: releasing session %r failed", session)
+                continue
+            self.stats.add(sessions_released=1)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every chunk handed over so far was committed; False on timeout."""

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+from kvpool.integrations.retention import merged_retention
 from kvpool.integrations.vllm.lookup import LookupClient
 from kvpool.integrations.vllm.plan import ReqTransfer, RequestPlan
 from kvpool.integrations.vllm.settings import ConnectorSettings
@@ -51,6 +53,9 @@ class SchedulerSide:
         #: Prompt chunks not saved because KV usage was below offload_threshold.
         self.skipped_chunks = 0
         self._warned_unbound = False
+        #: Per request: its saves' retention (the engine's under kv_transfer_params').
+        self._retention: dict[str, dict[str, Any] | None] = {}
+        self._releases: list[tuple[str, bool]] = []
 
     def bind_usage(self, usage: Callable[[], float]) -> None:
         """``usage()`` -> the engine's KV cache usage in [0, 1] (vLLM's BlockPool.get_usage),
@@ -110,7 +115,28 @@ class SchedulerSide:
         hits = min(c.lookup([k[r] for k in keys]) for r, c in enumerate(self.clients))
         return max(0, hits * chunk - num_computed_tokens)
 
+    def _note_retention(self, request: Any) -> None:
+        """Read the request's ``kv_transfer_params``: ``retention`` (a mapping, see
+        docs/retention.md) over the engine's, and ``release_session`` (with
+        ``release_delete``) to end a session after this step's saves."""
+        params = getattr(request, "kv_transfer_params", None)
+        params = params if isinstance(params, Mapping) else {}
+        asked = params.get("retention")
+        if asked is not None and not isinstance(asked, Mapping):
+            log.warning("kvpool: kv_transfer_params.retention must be a mapping, got %r", asked)
+            asked = None
+        self._retention[request.request_id] = merged_retention(self.settings.retention, asked)
+        session = params.get("release_session")
+        if isinstance(session, str) and session:
+            self._releases.append((session, params.get("release_delete") is True))
+
+    def take_releases(self) -> list[tuple[str, bool]]:
+        """The sessions requests asked to end since the last call."""
+        releases, self._releases = self._releases, []
+        return releases
+
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        self._note_retention(request)
         tokens = cacheable_prompt(request)
         if tokens is None or not self.namespaces:
             return
@@ -136,7 +162,8 @@ class SchedulerSide:
             if load is not None:
                 loads.append(load)
             if store is not None and self._keeps(req_id, len(store.chunks)):
-                stores.append(store)
+                retention = self._retention.get(req_id)
+                stores.append(replace(store, retention=retention) if retention else store)
         return loads, stores
 
     def load_failed(self, invalid_blocks: set[int]) -> None:
@@ -148,6 +175,7 @@ class SchedulerSide:
         self._plans.pop(req_id, None)
         self._memo.pop(req_id, None)
         self._saving.pop(req_id, None)
+        self._retention.pop(req_id, None)
 
     def close(self) -> None:
         for c in self.clients:

@@ -34,6 +34,8 @@ class ConnectorCounters:
     load_commit_timeouts: int = 0  # loads that waited lookup_timeout_s for a commit
     load_wait_us: int = 0  # engine thread time waiting for reads and copying pages in
     save_gather_us: int = 0  # engine thread time gathering pages to store
+    pins_refused: int = 0  # saves whose pins the pool refused (pool.max_pinned_fraction)
+    sessions_released: int = 0  # release_session requests carried out
 
 
 class StatsWriter:

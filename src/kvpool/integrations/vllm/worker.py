@@ -280,6 +280,12 @@ class WorkerSide:
         self._failed_reqs.clear()
         self.stats.write()
 
+    def release(self, sessions: Sequence[tuple[str, bool]]) -> None:
+        """End these sessions (session, delete) once the saves handed over before are
+        committed, on the committer thread (never waits here)."""
+        if self._saves is not None:
+            self._saves.release(sessions)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued saves reached the pool and the pool's write-behind drained."""
         if self._saves is not None and not self._saves.flush(timeout):
