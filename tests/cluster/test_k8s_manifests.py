@@ -1,14 +1,17 @@
 """deploy/k8s: every kustomization renders (``kubectl kustomize``), every object validates
 against the Kubernetes schemas (``kubernetes-validate``; the ServiceMonitor CRD by a minimal
 check), and the rendered kvpool containers run: their args, environment (ConfigMap and Secret
-references resolved) and config files start real ``kvpool serve`` processes against a real
-etcd; two StatefulSet pods and the DaemonSet's pod register, serve a client, answer the probes
-the manifests name, and stop within their grace period. So a manifest cannot name a flag, an
+references resolved) and config files start real processes against a real etcd: two
+StatefulSet pods (``kvpool serve``) register and serve a client, the DaemonSet's pod
+(``kvpool host``) serves an engine-side pool attached through its socket (``kvpool.open_pool``
+with ``host.socket``) whose chunks reach the storage nodes; all answer the probes the
+manifests name and stop within their grace period. So a manifest cannot name a flag, an
 environment variable or a config key kvpool does not have.
 
-Substituted for the local run (nothing else): pod fields (POD_NAME, NODE_NAME, POD_IP), the
-addresses (127.0.0.1, free ports in place of the container ports), volume mount paths (a
-tmp dir), the etcd endpoint, and the sizes (64 MiB tiers instead of GiBs).
+Substituted for the local run (nothing else): pod fields (POD_NAME), the addresses
+(127.0.0.1, free ports in place of the container ports), volume mount paths (a tmp dir; the
+host pool's arenas stay in /dev/shm), the etcd endpoint, and the sizes (64 MiB tiers instead
+of GiBs).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +40,11 @@ from etcd_fixture import EtcdServer, free_port
 from kvtest import byte_namespace, payload_for, wait_for
 
 from kvpool.cluster.etcd_membership import EtcdMembership
-from kvpool.config import ClusterConfig, load_config
+from kvpool.config import ClusterConfig, config_from_dict, load_config
+from kvpool.host import open_pool
+from kvpool.host.client import AttachedPool
 from kvpool.integrations.vllm.settings import parse_settings
+from kvpool.keys import Namespace
 from kvpool.net.client import ClusterClient
 
 pytestmark = pytest.mark.kubectl
@@ -126,8 +131,8 @@ def parse_quantity(text: str) -> int:
 @pytest.mark.parametrize("path", KUSTOMIZATIONS)
 def test_probes_ports_grace_and_memory_follow_the_config(path: str) -> None:
     """Probes on the metrics port at /readyz and /healthz, container ports = config ports,
-    grace > server.shutdown_timeout_s, and a memory limit from dram.capacity (the formula in
-    statefulset.yaml)."""
+    grace > server.shutdown_timeout_s, and a memory request = limit from dram.capacity (the
+    formulas in statefulset.yaml and daemonset.yaml: 20% of it stays free)."""
     objs = render(path)
     for work in kvpool_workloads(objs):
         pod = work["spec"]["template"]["spec"]
@@ -135,17 +140,29 @@ def test_probes_ports_grace_and_memory_follow_the_config(path: str) -> None:
         cfg = config_of(objs, pod)
         loaded = load_config(overrides=cfg, environ={})  # every key is kvpool's
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"kvpool": cfg["server"]["port"], "metrics": cfg["server"]["metrics_port"]}
+        wanted = {"metrics": cfg["server"]["metrics_port"]}
+        if work["kind"] == "StatefulSet":
+            wanted["kvpool"] = cfg["server"]["port"]
+        assert ports == wanted
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
         assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
         assert pod["terminationGracePeriodSeconds"] > loaded.server.shutdown_timeout_s
-        if work["kind"] == "StatefulSet":
-            limits = container["resources"]["limits"]
-            assert container["resources"]["requests"]["memory"] == limits["memory"]
-            need = loaded.dram.capacity + 256 * MiB + loaded.pool.write_behind_bytes
-            assert parse_quantity(limits["memory"]) == need / 0.8
-        else:
-            assert cfg["dram"]["warm_cache_ratio"] <= 0.8
+        limits = container["resources"]["limits"]
+        assert container["resources"]["requests"]["memory"] == limits["memory"]
+        tenants = 1  # a storage node's one pool; the host pool's: one per server.auth tenant
+        if work["kind"] == "DaemonSet":
+            assert container["args"][0] == "host"
+            auth = yaml.safe_load(host_auth(objs, container))
+            tenants = len({t for entry in auth for t in entry["tenants"]})
+        need = tenants * (loaded.dram.capacity + loaded.pool.write_behind_bytes) + 256 * MiB
+        assert parse_quantity(limits["memory"]) == need / 0.8
+
+
+def host_auth(objs: list[dict[str, Any]], container: dict[str, Any]) -> str:
+    """The host pool's server.auth, from the Secret key its environment names."""
+    var = next(v for v in container["env"] if v["name"] == "KVPOOL_SERVER__AUTH")
+    key = var["valueFrom"]["secretKeyRef"]
+    return str(find(objs, "Secret", key["name"])["stringData"][key["key"]])
 
 
 @dataclass
@@ -171,7 +188,7 @@ class Pod:
         words = [str(self.config_path) if w == "/etc/kvpool/kvpool.yaml" else w
                  for w in words[1:]]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-        env.update({k: v for k, v in self.env.items() if k != "SHM_FILE"})
+        env.update(self.env)
         return subprocess.run([sys.executable, "-m", "kvpool.cli", *words], env=env,
                               capture_output=True, text=True, timeout=120)
 
@@ -208,7 +225,7 @@ def resolve_env(objs: list[dict[str, Any]], container: dict[str, Any],
     return env
 
 
-def local_config(cfg: dict[str, Any], mounts: dict[str, Path], shm_name: str) -> dict[str, Any]:
+def local_config(cfg: dict[str, Any], mounts: dict[str, Path]) -> dict[str, Any]:
     """The pod's config with addresses, mount paths and sizes made local (keys unchanged)."""
     def relocate(path: str) -> str:
         for mount, local in mounts.items():
@@ -220,17 +237,10 @@ def local_config(cfg: dict[str, Any], mounts: dict[str, Path], shm_name: str) ->
     cfg["cache_dir"] = relocate(cfg["cache_dir"])
     cfg["ssd"]["path"] = relocate(cfg["ssd"]["path"])
     cfg["ssd"].update(capacity="64MiB", segment_size="8MiB")
-    dram = cfg["dram"]
-    dram["slab_size"] = "8MiB"
-    if "warm_cache_ratio" in dram:  # about 128 MiB of this host's memory
-        with open("/proc/meminfo") as f:
-            total_kib = int(f.readline().split()[1])
-        dram["warm_cache_ratio"] = 128 * 1024 / total_kib
-    else:
-        dram["capacity"] = "64MiB"
-    if "shm_path" in dram:
-        assert dram["shm_path"].startswith("/dev/shm/")
-        dram["shm_path"] = f"/dev/shm/{shm_name}"
+    cfg["dram"].update(capacity="64MiB", slab_size="8MiB")
+    if "host" in cfg:  # the host pool: its socket on a volume, its arenas in /dev/shm itself
+        cfg["host"]["socket"] = relocate(cfg["host"]["socket"])
+        assert cfg["host"]["shm_dir"] == "/dev/shm"
     return cfg
 
 
@@ -242,17 +252,17 @@ def make_pod(objs: list[dict[str, Any]], work: dict[str, Any], name: str,
     mounts: dict[str, Path] = {}
     for mount in container["volumeMounts"]:
         if mount["mountPath"] == "/dev/shm":
-            continue  # the shm file is given a unique name in /dev/shm itself
+            continue  # kvpool host names its arena files uniquely in /dev/shm itself
         local = base / mount["name"]
         local.mkdir()
         mounts[mount["mountPath"]] = local
     cfg = config_of(objs, spec)
     ports = {p["name"]: free_port() for p in container["ports"]}
-    cfg["server"]["port"] = ports["kvpool"]
+    if "kvpool" in ports:
+        cfg["server"]["port"] = ports["kvpool"]
     cfg["server"]["metrics_port"] = ports["metrics"]
-    shm = f"kvpool-k8s-test-{uuid.uuid4().hex[:12]}"
     conf_dir = mounts["/etc/kvpool"]
-    (conf_dir / "kvpool.yaml").write_text(yaml.safe_dump(local_config(cfg, mounts, shm)))
+    (conf_dir / "kvpool.yaml").write_text(yaml.safe_dump(local_config(cfg, mounts)))
     env = resolve_env(objs, container, fields, etcd)
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
     args = [str(conf_dir / "kvpool.yaml") if a == "/etc/kvpool/kvpool.yaml" else a for a in args]
@@ -265,11 +275,9 @@ def make_pod(objs: list[dict[str, Any]], work: dict[str, Any], name: str,
         command = hook["exec"]["command"]
         assert command[:2] == ["sh", "-c"]
         hooks[kind] = command[2]
-    pod = Pod(name, [sys.executable, "-m", "kvpool.cli", *args], env, ports,
-              float(spec["terminationGracePeriodSeconds"]), base / "pod.log",
-              conf_dir / "kvpool.yaml", probes=probes, hooks=hooks)
-    pod.env["SHM_FILE"] = shm
-    return pod
+    return Pod(name, [sys.executable, "-m", "kvpool.cli", *args], env, ports,
+               float(spec["terminationGracePeriodSeconds"]), base / "pod.log",
+               conf_dir / "kvpool.yaml", probes=probes, hooks=hooks)
 
 
 def http_status(url: str) -> int:
@@ -293,15 +301,11 @@ def pods(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[list[Pod]]:
     made = [make_pod(objs, sts, f"kvpool-{i}", {"metadata.name": f"kvpool-{i}",
                                               "metadata.namespace": ns},
                      etcd_server.endpoint, tmp_path / f"kvpool-{i}") for i in range(2)]
-    made.append(make_pod(objs, ds, "host-a", {"spec.nodeName": "host-a",
-                                              "status.podIP": "127.0.0.1"},
-                         etcd_server.endpoint, tmp_path / "host-a"))
+    made.append(make_pod(objs, ds, "host-a", {}, etcd_server.endpoint, tmp_path / "host-a"))
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     for pod in made:
         with open(pod.log, "wb") as log:
-            run_env = {**base_env, **pod.env}
-            run_env.pop("SHM_FILE")
-            pod.proc = subprocess.Popen(pod.argv, env=run_env, stdout=log,
+            pod.proc = subprocess.Popen(pod.argv, env={**base_env, **pod.env}, stdout=log,
                                         stderr=subprocess.STDOUT)
     try:
         yield made
@@ -310,7 +314,6 @@ def pods(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[list[Pod]]:
             if pod.proc is not None and pod.proc.poll() is None:
                 pod.proc.kill()
                 pod.proc.wait(10)
-            Path("/dev/shm", pod.env["SHM_FILE"]).unlink(missing_ok=True)
 
 
 def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
@@ -324,14 +327,13 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
         wait_for(lambda p=pod: ready(p), 40, f"{pod.name}'s /readyz")
         assert http_status(pod.url("metrics", pod.probes["livenessProbe"])) == 200
     watcher = EtcdMembership([etcd_server.endpoint], "default")
-    wait_for(lambda: {n.node_id for n in watcher.live_nodes()} == {"kvpool-0", "kvpool-1",
-                                                                   "host-a"},
-             15, "three registered nodes")
+    wait_for(lambda: {n.node_id for n in watcher.live_nodes()} == {"kvpool-0", "kvpool-1"},
+             15, "two registered storage nodes")
     secret = find(render("overlays/vllm-example"), "Secret", "kvpool-tokens")["stringData"]
     client = ClusterClient(ClusterConfig(etcd=[etcd_server.endpoint], name="default",
                                          replicas=2, token=secret["engine-token"]))
     try:
-        wait_for(lambda: len(client.live_nodes()) == 3, 10, "the client to see three nodes")
+        wait_for(lambda: len(client.live_nodes()) == 2, 10, "the client to see two nodes")
         ns = byte_namespace(CHUNK, salt="engines:k8s-test")
         client.register_namespace(ns)
         keys = [os.urandom(16) for _ in range(24)]
@@ -340,6 +342,7 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
         assert client.get_many_into(ns, keys, outs) == [True] * 24
         for key, out in zip(keys, outs, strict=True):
             assert np.array_equal(out, payload_for(key, CHUNK))
+        attached_engine_puts_and_gets(pods[2], secret["engine-token"], client, ns, keys)
         # The StatefulSet's hooks (components/drain-on-stop): postStart undrains, preStop
         # drains and waits until the node's chunks are copied away; reads still hit.
         node0, node1 = pods[0], pods[1]
@@ -365,6 +368,32 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
         started = time.monotonic()
         assert pod.proc.wait(pod.grace_s) == 0, pod.log.read_text()[-3000:]
         assert time.monotonic() - started < pod.grace_s
+
+
+def attached_engine_puts_and_gets(host: Pod, token: str, client: ClusterClient, ns: Namespace,
+                                  on_nodes: list[bytes]) -> None:
+    """An engine-side pool attached to the DaemonSet's ``kvpool host`` through the socket its
+    config names, as tenant "engines" with the engine token (host-auth lists it): what it
+    saves is read back through the arena and reaches the storage nodes behind the host pool;
+    what only the storage nodes hold (``on_nodes``) it reads through the host pool."""
+    rendered = yaml.safe_load(host.config_path.read_text())
+    config = config_from_dict({"host": {"socket": rendered["host"]["socket"],
+                                        "tenant": "engines", "token": token}})
+    with open_pool(config) as pool:
+        assert isinstance(pool, AttachedPool) and pool.attached
+        pool.register_namespace(ns)
+        keys = [os.urandom(16) for _ in range(16)]
+        assert pool.put_many(ns, keys, [payload_for(k, CHUNK) for k in keys]) == 16
+        for wanted in (keys, on_nodes):
+            outs = [np.zeros(CHUNK, np.uint8) for _ in wanted]
+            assert pool.get_many_into(ns, wanted, outs) == [True] * len(wanted)
+            for key, out in zip(wanted, outs, strict=True):
+                assert np.array_equal(out, payload_for(key, CHUNK))
+    outs = [np.zeros(CHUNK, np.uint8) for _ in keys]
+    wait_for(lambda: client.get_many_into(ns, keys, outs) == [True] * 16, 15,
+             "the host pool's saves on the storage nodes")
+    for key, out in zip(keys, outs, strict=True):
+        assert np.array_equal(out, payload_for(key, CHUNK))
 
 
 def test_vllm_example_connector_config_is_valid(tmp_path: Path,
