@@ -124,3 +124,34 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
         time.sleep(0.02)
+
+
+#: What kvpool's sdist and wheel are built from: the files a checkout's packaging reads.
+DIST_SOURCES = ("pyproject.toml", "README.md", "src")
+
+
+def build_dist(root: Path, work: Path) -> tuple[Path, Path]:
+    """Build the sdist and the wheel of the checkout at ``root`` into ``work/dist`` and return
+    (wheel, sdist). Built from a copy of its sources (no build/ or egg-info left in the
+    checkout) with ``python -m build --no-isolation``: setuptools comes from the test venv,
+    so no package index is needed. CalledProcessError (with the output) on a failed build."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = work / "src-copy"
+    src.mkdir(parents=True)
+    for name in DIST_SOURCES:
+        path = root / name
+        if path.is_dir():
+            shutil.copytree(path, src / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(path, src / name)
+    dist = work / "dist"
+    # the sdist is built first and the wheel from the unpacked sdist
+    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist),
+                    str(src)], check=True, capture_output=True, text=True, timeout=300)
+    (wheel,) = dist.glob("kvpool-*.whl")
+    (sdist,) = dist.glob("kvpool-*.tar.gz")
+    return wheel, sdist

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,8 +33,6 @@ from node_process import node_config
 import kvpool
 
 ROOT = Path(__file__).resolve().parent.parent
-#: What the sdist is built from: the files a checkout's packaging reads.
-SOURCES = ("pyproject.toml", "README.md", "src")
 
 
 @dataclass(frozen=True)
@@ -66,24 +63,10 @@ def clean_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+def installed_wheel(built_dist: tuple[Path, Path],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    wheel, sdist = built_dist  # conftest.py: built once per session, from a copy of the sources
     base = tmp_path_factory.mktemp("packaging")
-    src = base / "src-copy"  # build from a copy: no build/ or egg-info in the checkout
-    src.mkdir()
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(path, src / name)
-    dist = base / "dist"
-    # --no-isolation: the build backend (setuptools) comes from the test venv, so the build
-    # itself needs no index; the sdist is built first and the wheel from the unpacked sdist.
-    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist),
-                    str(src)], check=True, capture_output=True, text=True, timeout=300)
-    (wheel,) = dist.glob("kvpool-*.whl")
-    (sdist,) = dist.glob("kvpool-*.tar.gz")
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
