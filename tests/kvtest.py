@@ -155,3 +155,38 @@ def build_dist(root: Path, work: Path) -> tuple[Path, Path]:
     (wheel,) = dist.glob("kvpool-*.whl")
     (sdist,) = dist.glob("kvpool-*.tar.gz")
     return wheel, sdist
+
+
+class ServeProcess:
+    """A ``kvpool serve`` (or any) child process whose stdout a thread collects into
+    ``lines``, so a child that hangs silently fails a wait instead of blocking the test run.
+    Use as a context manager: on exit a child still running is killed and reaped.
+    ``popen`` goes to subprocess.Popen (stdout is always a pipe; pass
+    ``stderr=subprocess.STDOUT`` to collect both)."""
+
+    def __init__(self, argv: list[str], **popen: Any) -> None:
+        import subprocess
+        import threading
+
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **popen)
+        self.lines: list[str] = []
+        stdout = self.proc.stdout
+        self._reader = threading.Thread(target=lambda: self.lines.extend(stdout or ()),
+                                        daemon=True)
+        self._reader.start()
+
+    def wait_line(self, text: str, timeout_s: float = 60) -> None:
+        """Wait for a line containing ``text``; AssertionError with the lines so far if the
+        child exits first or it does not come within ``timeout_s``."""
+        wait_for(lambda: any(text in line for line in self.lines)
+                 or self.proc.poll() is not None, timeout_s, f"the line {text!r}")
+        assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.lines}"
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=10)
