@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the system services kvpool's tests run on 127.0.0.1: etcd (membership),
 # redis-server (a peer in benchmarks) and prometheus (scrapes a live node in the metrics
-# test). Idempotent: does nothing when the binaries are already on PATH.
+# test), and as root podman and mmdebstrap (tests/test_containerfile.py builds the container
+# image on a base made from Debian packages: scripts/image-base.sh; without root it skips).
+# Idempotent: does nothing when the binaries are already on PATH.
 # The packages' own system services are never left running: tests start private instances
 # on free ports with their own data dirs, and a system etcd on :2379 would only get in the way.
 set -euo pipefail
@@ -16,6 +18,14 @@ need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+image_tools=()
+if [ "$(id -u)" -eq 0 ]; then
+    # podman pulls in crun, conmon and the containers config; as root it needs no uidmap,
+    # fuse-overlayfs or slirp4netns (the test builds with chroot isolation, no network setup).
+    image_tools=(podman mmdebstrap)
+    command -v podman >/dev/null 2>&1 || need+=(podman)
+    command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+fi
 
 if [ "${#need[@]}" -eq 0 ]; then
     exit 0
@@ -54,6 +64,6 @@ for svc in etcd redis-server prometheus; do
     fi
 done
 
-for bin in etcd redis-server prometheus; do
+for bin in etcd redis-server prometheus "${image_tools[@]}"; do
     command -v "$bin" >/dev/null 2>&1 || { echo "system-deps: $bin still missing" >&2; exit 1; }
 done

@@ -1,13 +1,14 @@
 """Shared fixtures (helpers live in kvtest.py), and the marks that split the suite.
 
 A test that needs something outside ``.venv`` carries one mark per need (``etcd``, ``redis``,
-``vllm``, ``sglang``, ``model``, ``prometheus``, ``netns``, ``pypi``, ``kubectl``) and, added
-here, ``external``;
-``make unit`` runs ``-m "not external"``.
+``vllm``, ``sglang``, ``model``, ``prometheus``, ``netns``, ``pypi``, ``kubectl``, ``image``)
+and, added here, ``external``; ``make unit`` runs ``-m "not external"``.
 The needs are marked here from the fixtures a test uses (its whole fixture closure), so a new
 test on those fixtures is classified without a mark of its own; a test that reaches a service
 without a fixture carries the mark itself (``@pytest.mark.redis``). Such a test fails, never
-skips, when the service is missing, so ``make unit`` cannot pass by skipping one.
+skips, when the service is missing, so ``make unit`` cannot pass by skipping one. The one
+exception is ``image`` (tests/test_containerfile.py): it skips, saying why, on a machine that
+cannot build a container image (no root, podman or Debian mirror).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvtest import byte_namespace
+from kvtest import build_dist, byte_namespace
 from node_process import NodeProcess
 
 from kvpool.keys import Namespace
@@ -34,7 +35,7 @@ NEEDS_BY_FIXTURE = {
     "installed_wheel": "pypi",  # pip installs the wheel's dependencies (test_packaging.py)
 }
 EXTERNAL_NEEDS = ("etcd", "redis", "vllm", "sglang", "model", "prometheus", "netns", "pypi",
-                  "kubectl")
+                  "kubectl", "image")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these marks
@@ -46,6 +47,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(need)
         if any(item.get_closest_marker(need) for need in EXTERNAL_NEEDS):
             item.add_marker("external")
+
+
+@pytest.fixture(scope="session")
+def built_dist(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """kvpool's (wheel, sdist), built once per session from this checkout's sources
+    (kvtest.build_dist): the packaging test installs this wheel and the image build puts it
+    into the container image."""
+    return build_dist(Path(__file__).resolve().parent.parent, tmp_path_factory.mktemp("dist"))
 
 
 @pytest.fixture

@@ -124,3 +124,69 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
         time.sleep(0.02)
+
+
+#: What kvpool's sdist and wheel are built from: the files a checkout's packaging reads.
+DIST_SOURCES = ("pyproject.toml", "README.md", "src")
+
+
+def build_dist(root: Path, work: Path) -> tuple[Path, Path]:
+    """Build the sdist and the wheel of the checkout at ``root`` into ``work/dist`` and return
+    (wheel, sdist). Built from a copy of its sources (no build/ or egg-info left in the
+    checkout) with ``python -m build --no-isolation``: setuptools comes from the test venv,
+    so no package index is needed. CalledProcessError (with the output) on a failed build."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = work / "src-copy"
+    src.mkdir(parents=True)
+    for name in DIST_SOURCES:
+        path = root / name
+        if path.is_dir():
+            shutil.copytree(path, src / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(path, src / name)
+    dist = work / "dist"
+    # the sdist is built first and the wheel from the unpacked sdist
+    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist),
+                    str(src)], check=True, capture_output=True, text=True, timeout=300)
+    (wheel,) = dist.glob("kvpool-*.whl")
+    (sdist,) = dist.glob("kvpool-*.tar.gz")
+    return wheel, sdist
+
+
+class ServeProcess:
+    """A ``kvpool serve`` (or any) child process whose stdout a thread collects into
+    ``lines``, so a child that hangs silently fails a wait instead of blocking the test run.
+    Use as a context manager: on exit a child still running is killed and reaped.
+    ``popen`` goes to subprocess.Popen (stdout is always a pipe; pass
+    ``stderr=subprocess.STDOUT`` to collect both)."""
+
+    def __init__(self, argv: list[str], **popen: Any) -> None:
+        import subprocess
+        import threading
+
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **popen)
+        self.lines: list[str] = []
+        stdout = self.proc.stdout
+        self._reader = threading.Thread(target=lambda: self.lines.extend(stdout or ()),
+                                        daemon=True)
+        self._reader.start()
+
+    def wait_line(self, text: str, timeout_s: float = 60) -> None:
+        """Wait for a line containing ``text``; AssertionError with the lines so far if the
+        child exits first or it does not come within ``timeout_s``."""
+        wait_for(lambda: any(text in line for line in self.lines)
+                 or self.proc.poll() is not None, timeout_s, f"the line {text!r}")
+        assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.lines}"
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=10)

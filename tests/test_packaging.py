@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import tomllib
 import zipfile
 from collections.abc import Iterator
@@ -28,14 +26,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvtest import wait_for
+from kvtest import ServeProcess
 from node_process import node_config
 
 import kvpool
 
 ROOT = Path(__file__).resolve().parent.parent
-#: What the sdist is built from: the files a checkout's packaging reads.
-SOURCES = ("pyproject.toml", "README.md", "src")
 
 
 @dataclass(frozen=True)
@@ -66,24 +62,10 @@ def clean_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+def installed_wheel(built_dist: tuple[Path, Path],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    wheel, sdist = built_dist  # conftest.py: built once per session, from a copy of the sources
     base = tmp_path_factory.mktemp("packaging")
-    src = base / "src-copy"  # build from a copy: no build/ or egg-info in the checkout
-    src.mkdir()
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(path, src / name)
-    dist = base / "dist"
-    # --no-isolation: the build backend (setuptools) comes from the test venv, so the build
-    # itself needs no index; the sdist is built first and the wheel from the unpacked sdist.
-    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist),
-                    str(src)], check=True, capture_output=True, text=True, timeout=300)
-    (wheel,) = dist.glob("kvpool-*.whl")
-    (sdist,) = dist.glob("kvpool-*.tar.gz")
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
@@ -182,27 +164,15 @@ dram: {{capacity: 16MiB, slab_size: 4MiB}}
 ssd: {{capacity: 16MiB, segment_size: 4MiB}}
 server: {{host: 127.0.0.1, port: 0, shutdown_timeout_s: 5}}
 """)
-    proc = subprocess.Popen([str(installed_wheel.venv / "bin" / "kvpool"), "serve", "--config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=installed_wheel.workdir, env=clean_env())
-    lines: list[str] = []
-    # a thread reads stdout, so a node that hangs silently fails the wait, not the test run
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
-    reader.start()
-    try:
-        wait_for(lambda: any("listening on 127.0.0.1:" in line for line in lines)
-                 or proc.poll() is not None, 60, "kvpool serve's listening line")
-        assert proc.poll() is None, f"serve exited {proc.returncode}: {lines}"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        reader.join(timeout=10)
-        err = proc.stderr.read() if proc.stderr else ""
-        assert "SIGTERM" in err, (lines, err)  # the graceful stop's shutdown line
+    with ServeProcess([str(installed_wheel.venv / "bin" / "kvpool"), "serve", "--config",
+                       str(config)], stderr=subprocess.PIPE, cwd=installed_wheel.workdir,
+                      env=clean_env()) as node:
+        node.wait_line("listening on 127.0.0.1:")
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(timeout=60) == 0
+        err = node.proc.stderr.read() if node.proc.stderr else ""
+        assert "SIGTERM" in err, (node.lines, err)  # the graceful stop's shutdown line
         assert "no_uvloop" not in err and "uvloop is not installed" not in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_without_uvloop_says_so_and_serves(tmp_path: Path) -> None:
@@ -215,20 +185,9 @@ def test_serve_without_uvloop_says_so_and_serves(tmp_path: Path) -> None:
     config.write_text(yaml.safe_dump(node_config(tmp_path)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(shadow.parent), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "serve", "--config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
-    reader.start()
-    try:
-        wait_for(lambda: any("listening on" in line for line in lines)
-                 or proc.poll() is not None, 60, "the listening line")
-        assert proc.poll() is None, lines
-        assert any("uvloop is not installed" in line for line in lines), lines
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with ServeProcess([sys.executable, "-m", "kvpool.cli", "serve", "--config", str(config)],
+                      stderr=subprocess.STDOUT, env=env) as node:
+        node.wait_line("listening on")
+        assert any("uvloop is not installed" in line for line in node.lines), node.lines
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(timeout=60) == 0, node.lines

@@ -21,6 +21,7 @@ from kvpool import KVPool
 from kvpool.config import Config
 from kvpool.keys import Namespace
 from kvpool.ssd.engine import SsdEngine
+from kvpool.tiers.dram import PinnedView
 
 C = 16 * 1024
 NS = byte_namespace(C)
@@ -122,6 +123,20 @@ def test_hot_records_over_the_copy_forward_cap_are_counted_and_exported(
         assert value(scrape(pool.metrics), "kvpool_ssd_hot_dropped_total") == 15
 
 
+def pinned_while_the_ssd_turns_over(pool: KVPool, ns: Namespace, x: bytes) -> PinnedView:
+    """Put ``x`` and flush it, pin it in DRAM by the tier itself (not a pool read, so its SSD
+    record stays cold), then put 120 cold chunks in flushed batches of 8, which turn the small
+    SSD log over. Returns the pin; the caller releases it."""
+    assert pool.put(ns, x, payload_for(x, ns.chunk_bytes)) and pool.flush(30)
+    held = pool._front.view(x)  # type: ignore[union-attr]
+    assert held is not None
+    for i in range(0, 120, 8):
+        cold = [key(i + j, b"c") for j in range(8)]
+        assert pool.put_many(ns, cold, [payload_for(k, ns.chunk_bytes) for k in cold]) == 8
+        assert pool.flush(30)
+    return held
+
+
 def test_a_dram_victim_whose_ssd_record_was_evicted_is_written_back(tmp_path: Path) -> None:
     """A chunk written through to the SSD stays in DRAM (pinned, never read through the pool)
     while the SSD log turns over twice: its SSD record is gone. When DRAM
@@ -136,14 +151,7 @@ def test_a_dram_victim_whose_ssd_record_was_evicted_is_written_back(tmp_path: Pa
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
         engine: SsdEngine = pool._stack.ssd.engine  # type: ignore[union-attr]
-        assert pool.put(ns, x, payload_for(x, ns.chunk_bytes)) and pool.flush(30)
-        # pinned in DRAM by the tier itself: not a pool read, so the SSD record stays cold
-        held = pool._front.view(x)  # type: ignore[union-attr]
-        assert held is not None
-        for i in range(0, 120, 8):
-            cold = [key(i + j, b"c") for j in range(8)]
-            assert pool.put_many(ns, cold, [payload_for(k, ns.chunk_bytes) for k in cold]) == 8
-            assert pool.flush(30)
+        held = pinned_while_the_ssd_turns_over(pool, ns, x)
         assert not engine.contains(x, ns.id)  # evicted from the SSD while DRAM held it
         held.release()
         cold = [key(200, b"c")]  # least recently used now: DRAM evicts it for this one
@@ -194,14 +202,7 @@ def test_close_writes_dram_chunks_the_ssd_evicted_in_through_mode(tmp_path: Path
     x = key(0, b"x")
     with KVPool(cfg) as pool:
         pool.register_namespace(ns)
-        assert pool.put(ns, x, payload_for(x, ns.chunk_bytes)) and pool.flush(30)
-        # pinned in DRAM by the tier itself: not a pool read, so the SSD record stays cold
-        held = pool._front.view(x)  # type: ignore[union-attr]
-        assert held is not None
-        for i in range(0, 120, 8):
-            cold = [key(i + j, b"c") for j in range(8)]
-            assert pool.put_many(ns, cold, [payload_for(k, ns.chunk_bytes) for k in cold]) == 8
-            assert pool.flush(30)
+        held = pinned_while_the_ssd_turns_over(pool, ns, x)
         held.release()
         assert not pool._stack.ssd.engine.contains(x, ns.id)  # type: ignore[union-attr]
     with KVPool(cfg) as pool:

@@ -18,12 +18,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import yaml
-from kvtest import wait_for
+from kvtest import ServeProcess
 from node_process import node_config
 
 from kvpool.config import Config, load_config
@@ -123,30 +122,15 @@ def test_reload_and_stop_signals_act_on_a_running_node(tmp_path: Path) -> None:
     config.write_text(yaml.safe_dump(cfg))
     args = exec_start_args()
     args[args.index("--config") + 1] = str(config)
-    proc = subprocess.Popen([*kvpool_cmd(), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "KVPOOL_CONFIG": ""})
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
-    reader.start()
-    try:
-        wait_for(lambda: any("listening on" in line for line in lines)
-                 or proc.poll() is not None, 60, "the listening line")
-        assert proc.poll() is None, lines
+    with ServeProcess([*kvpool_cmd(), *args], stderr=subprocess.STDOUT,
+                      env={**os.environ, "KVPOOL_CONFIG": ""}) as node:
+        node.wait_line("listening on")
         cfg["server"]["idle_timeout_s"] = 123.0  # a live setting
         config.write_text(yaml.safe_dump(cfg))
-        os.kill(proc.pid, reload_sig)
-        wait_for(lambda: any("config reloaded: applied" in line for line in lines)
-                 or proc.poll() is not None,
-                 60, "the config_reloaded line")
-        assert proc.poll() is None, lines
-        os.kill(proc.pid, stop_sig)
-        assert proc.wait(timeout=timeout_stop) == 0, lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    reader.join(timeout=10)
+        os.kill(node.proc.pid, reload_sig)
+        node.wait_line("config reloaded: applied")
+        os.kill(node.proc.pid, stop_sig)
+        assert node.proc.wait(timeout=timeout_stop) == 0, node.lines
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")

@@ -22,60 +22,35 @@ import socket
 import time
 from typing import Any
 
-from kvpool.admin.common import (
-    ETCD_TIMEOUT_S,
-    OK,
-    USAGE,
-    AdminError,
-    add_config_argument,
-    cluster_nodes,
-    cluster_of,
-    command,
-    load,
-)
+from kvpool.admin.common import OK, AdminError, cluster_nodes, command
+from kvpool.admin.node_key import add_node_command, etcd_client, etcd_cluster, etcd_errors, node_key
 from kvpool.config import ClusterConfig
-from kvpool.errors import KVPoolError
 from kvpool.server.drain_status import drain_status_key
 
 
 def add_arguments(sub: Any) -> None:
-    drain = sub.add_parser("drain", help="place no new chunks on a node (reads continue); "
-                           "needs etcd")
-    add_config_argument(drain)
-    drain.add_argument("node", help="node id (as `kvpool admin nodes` lists it)")
-    drain.add_argument("--force", action="store_true",
-                       help="drain a node that is not registered now (down, or not started)")
+    drain = add_node_command(sub, "drain", help="place no new chunks on a node (reads "
+                             "continue); needs etcd", force_help="drain a node that is not "
+                             "registered now (down, or not started)")
     drain.add_argument("--wait", action="store_true",
                        help="wait until the node has copied its chunks to their new owners")
     drain.add_argument("--timeout", type=float, default=600.0,
                        help="seconds --wait waits at most (default 600)")
     drain.set_defaults(func=command(admin_drain))
-    undrain = sub.add_parser("undrain", help="place new chunks on a drained node again")
-    add_config_argument(undrain)
-    undrain.add_argument("node", help="node id")
+    undrain = add_node_command(sub, "undrain", help="place new chunks on a drained node "
+                               "again", node_help="node id")
     undrain.set_defaults(func=command(admin_undrain))
 
 
 def _etcd_cluster(args: argparse.Namespace) -> ClusterConfig:
-    cluster = cluster_of(load(args))
-    if not cluster.etcd:
-        raise AdminError("drain needs etcd (cluster.etcd): with a static cluster.nodes list "
-                         "no flag reaches every client; take the node out of each client's "
-                         "cluster.nodes instead", USAGE)
-    return cluster
+    return etcd_cluster(args, "drain needs etcd (cluster.etcd): with a static cluster.nodes "
+                        "list no flag reaches every client; take the node out of each "
+                        "client's cluster.nodes instead")
 
 
 def _key(cluster: ClusterConfig, node_id: str) -> str:
     from kvpool.cluster.membership import drained_key
-    try:
-        return drained_key(cluster.name, node_id)
-    except ValueError as exc:
-        raise AdminError(str(exc), USAGE) from None
-
-
-def _etcd(cluster: ClusterConfig) -> Any:
-    from kvpool.cluster.etcd import EtcdClient
-    return EtcdClient(cluster.etcd, ETCD_TIMEOUT_S)
+    return node_key(drained_key, cluster, node_id)
 
 
 def admin_drain(args: argparse.Namespace) -> int:
@@ -89,14 +64,12 @@ def admin_drain(args: argparse.Namespace) -> int:
                          f"(registered: {', '.join(registered) or 'none'}); --force drains "
                          "it anyway")
     value = json.dumps({"since": time.time(), "by": socket.gethostname()}).encode()
-    etcd = _etcd(cluster)
+    etcd = etcd_client(cluster)
     status_key = drain_status_key(cluster.name, args.node)
-    try:
+    with etcd_errors():
         if etcd.get(key) is None:  # a new drain: no progress of an earlier one counts
             etcd.delete(status_key)
         etcd.put(key, value)
-    except KVPoolError as exc:
-        raise AdminError(str(exc)) from None
     print(f"node {args.node} drained: clients place no new chunks on it once their etcd "
           f"watch sees {key} (milliseconds, plus cluster.live_cache_s); reads of what it "
           f"holds continue. Undo with `kvpool admin undrain {args.node}`.", flush=True)
@@ -117,10 +90,8 @@ def _wait_done(etcd: Any, status_key: str, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     status: dict[str, Any] = {}
     while True:
-        try:
+        with etcd_errors():
             kv = etcd.get(status_key)
-        except KVPoolError as exc:
-            raise AdminError(str(exc)) from None
         if kv is not None:
             try:
                 status = json.loads(kv.value)
@@ -139,12 +110,10 @@ def admin_undrain(args: argparse.Namespace) -> int:
     """Delete the drain key (exit 0 also when the node was not drained)."""
     cluster = _etcd_cluster(args)
     key = _key(cluster, args.node)
-    try:
-        etcd = _etcd(cluster)
+    with etcd_errors():
+        etcd = etcd_client(cluster)
         deleted = etcd.delete(key)
         etcd.delete(drain_status_key(cluster.name, args.node))
-    except KVPoolError as exc:
-        raise AdminError(str(exc)) from None
     print(f"node {args.node} undrained: new chunks are placed on it again" if deleted
           else f"node {args.node} was not drained")
     return OK

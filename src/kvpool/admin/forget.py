@@ -12,27 +12,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvpool.admin.common import (
-    ETCD_TIMEOUT_S,
-    OK,
-    USAGE,
-    AdminError,
-    add_config_argument,
-    cluster_of,
-    cluster_read,
-    command,
-    load,
-)
-from kvpool.errors import KVPoolError
+from kvpool.admin.common import OK, AdminError, cluster_read, command
+from kvpool.admin.node_key import add_node_command, etcd_client, etcd_cluster, etcd_errors, node_key
 
 
 def add_arguments(sub: Any) -> None:
-    forget = sub.add_parser("forget", help="remove a node from the expected set (it no longer "
-                            "counts as missing); needs etcd")
-    add_config_argument(forget)
-    forget.add_argument("node", help="node id (as `kvpool admin nodes` lists it)")
-    forget.add_argument("--force", action="store_true",
-                        help="forget a node that is registered now")
+    forget = add_node_command(sub, "forget", help="remove a node from the expected set (it no "
+                              "longer counts as missing); needs etcd",
+                              force_help="forget a node that is registered now")
     forget.set_defaults(func=command(admin_forget))
 
 
@@ -40,16 +27,10 @@ def admin_forget(args: argparse.Namespace) -> int:
     """Delete the node's expected-set key. Exit 1 if the node is registered now (without
     --force), is not expected, or etcd cannot be reached; 2 without etcd or for a malformed
     node id."""
-    from kvpool.cluster.etcd import EtcdClient
     from kvpool.cluster.membership import expected_key
-    cluster = cluster_of(load(args))
-    if not cluster.etcd:
-        raise AdminError("forget needs etcd (cluster.etcd): a static cluster.nodes list has no "
-                         "expected set; edit the list instead", USAGE)
-    try:
-        key = expected_key(cluster.name, args.node)
-    except ValueError as exc:
-        raise AdminError(str(exc), USAGE) from None
+    cluster = etcd_cluster(args, "forget needs etcd (cluster.etcd): a static cluster.nodes "
+                           "list has no expected set; edit the list instead")
+    key = node_key(expected_key, cluster, args.node)
     read = cluster_read(cluster)
     live = {n.node_id: n for n in read.nodes}
     if args.node in live and not args.force:
@@ -60,9 +41,7 @@ def admin_forget(args: argparse.Namespace) -> int:
         known = ", ".join(sorted(read.expected)) or "none"
         raise AdminError(f"node {args.node!r} is not in the expected set of cluster "
                          f"{cluster.name!r} (expected: {known})")
-    try:
-        EtcdClient(cluster.etcd, ETCD_TIMEOUT_S).delete(key)
-    except KVPoolError as exc:
-        raise AdminError(str(exc)) from None
+    with etcd_errors():
+        etcd_client(cluster).delete(key)
     print(f"node {args.node} forgotten: no longer expected in cluster {cluster.name!r}")
     return OK
