@@ -11,11 +11,11 @@ released in every socket call and the copies out of the kernel, so connections m
 several cores. Requests on a connection are served in order (a client gets parallelism from
 several connections).
 
-One receive path (``recv``): a request's header and keys arrive together, so one receive into
-the connection's inbox serves both; a payload is received straight into the DRAM slots the
-store reserved (no staging copy). One send path (``send``): one scatter-gather ``sendmsg`` of
-the answer's header, metadata and the views the store pinned (TLS, server/tls.py, replaces
-only the socket write underneath).
+One receive path (``recv``, ``take``): a request's header and keys arrive together, so one
+receive into the connection's inbox serves both (parsed where they lie); a large payload is
+received straight into the DRAM slots the store reserved (no staging copy). One send path
+(``send``, ``write``): one scatter-gather ``sendmsg`` of the answer's header, metadata and the
+views the store pinned (TLS, server/tls.py, replaces only the socket write underneath).
 
 Failure contract: a request the node can answer wrongly-but-safely (the store's Refused:
 unknown namespace, forbidden tenant, too many bytes for one answer) gets an error response and
@@ -48,9 +48,13 @@ from kvpool.config import ServerConfig
 from kvpool.keys import KEY_BYTES
 from kvpool.logs import RateLimited
 from kvpool.net.protocol import (
+    HEADER,
     HEADER_BYTES,
     KEYED_OPS,
+    MAGIC,
     NS_BYTES,
+    PROTOCOL_VERSION,
+    RESPONSE_BIT,
     Header,
     Op,
     ProtocolError,
@@ -144,11 +148,9 @@ class Connection:
             if not self.open():
                 return
             self.sock.setblocking(True)
-            header = memoryview(bytearray(HEADER_BYTES))
             traffic = self.traffic
             while True:
-                self.recv(header)
-                req = unpack_header(header)
+                req = unpack_header(self.take(HEADER_BYTES))
                 traffic.begin()
                 try:
                     keep = self.handle(req)
@@ -187,27 +189,44 @@ class Connection:
                       extra={"event": "internal_error", "peer": self.peer})
 
     def recv(self, view: memoryview) -> None:
-        """Fill ``view``: first from the inbox, then, for what is left, one receive of up to
-        INBOX_BYTES into the inbox when that is small (a header, keys: whatever else came
-        with them stays there for the next call), or straight into ``view`` when it is large
-        (a payload). Raises ConnectionError on EOF (or a socket the sweeper shut)."""
-        got = min(view.nbytes, self._have - self._used)
+        """Fill ``view``: a small one (under INBOX_BYTES) through the inbox (``take``), a
+        large one (a payload) with what the inbox holds, then straight from the socket.
+        Raises ConnectionError on EOF (or a socket the sweeper shut)."""
+        nbytes = view.nbytes
+        if nbytes < INBOX_BYTES:
+            view[:] = self.take(nbytes)
+            return
+        got = min(nbytes, self._have - self._used)
         if got:
             view[:got] = self._inbox[self._used:self._used + got]
             self._used += got
-        while got < view.nbytes:
-            want = view.nbytes - got
-            if want < INBOX_BYTES:
-                n = self.sock.recv_into(self._inbox, INBOX_BYTES)
-                take = min(n, want)
-                view[got:got + take] = self._inbox[:take]
-                self._have, self._used = n, take
-            else:
-                n = take = self.sock.recv_into(view[got:], 0, self.PAYLOAD_RECV_FLAGS)
+        while got < nbytes:
+            n = self.sock.recv_into(view[got:], 0, self.PAYLOAD_RECV_FLAGS)
             if n == 0:
                 raise ConnectionError("peer closed the connection")
-            got += take
+            got += n
             self.last_io = time.monotonic()  # progress: not a stalled payload
+
+    def take(self, nbytes: int) -> memoryview:
+        """The next ``nbytes`` (less than INBOX_BYTES) received, as a view of the inbox valid
+        until the next receive: what the inbox holds already, the rest received after it (a
+        request's header and keys usually arrive in one receive). Raises ConnectionError on
+        EOF."""
+        used, have = self._used, self._have
+        if have - used < nbytes:
+            inbox, left = self._inbox, have - used
+            inbox[:left] = inbox[used:have]  # what is left of the last receive goes first
+            used, have = 0, left
+            while have < nbytes:
+                n = self.sock.recv_into(inbox[have:])
+                if n == 0:
+                    self._have = self._used = 0
+                    raise ConnectionError("peer closed the connection")
+                have += n
+            self._have = have
+            self.last_io = time.monotonic()
+        self._used = used + nbytes
+        return self._inbox[used:used + nbytes]
 
     def discard(self, nbytes: int) -> None:
         """Read ``nbytes`` of payload away (a refused PUT: the frame stays in step)."""
@@ -222,10 +241,15 @@ class Connection:
         self.write([memoryview(b).cast("B") for b in buffers if len(b)])
 
     def write(self, bufs: list[memoryview]) -> None:
-        """The socket write under ``send``: scatter-gather, IOV_MAX buffers a call."""
-        while bufs:
-            advance(bufs, self.sock.sendmsg(bufs[:IOV_MAX]))
+        """The socket write under ``send``: scatter-gather, IOV_MAX buffers a call (flat
+        ``B`` views, none empty)."""
+        sendmsg = self.sock.sendmsg
+        while True:
+            sent = sendmsg(bufs if len(bufs) <= IOV_MAX else bufs[:IOV_MAX])
             self.last_io = time.monotonic()
+            advance(bufs, sent)
+            if not bufs:
+                return
 
     def reply(self, req: Header, status: Status = Status.OK, count: int = 0,
               meta: bytes = b"", payload: Sequence[memoryview] = ()) -> None:
@@ -236,8 +260,11 @@ class Connection:
         afterwards."""
         op = self.check(req)
         started = perf_counter()
-        meta = memoryview(bytearray(req.meta_len))
-        self.recv(meta)
+        if req.meta_len < INBOX_BYTES:
+            meta: bytes | memoryview = self.take(req.meta_len).tobytes()
+        else:
+            meta = memoryview(bytearray(req.meta_len))
+            self.recv(meta)
         self.count(_COUNTERS[op])
         try:
             if self.refusal is not None:
@@ -279,7 +306,7 @@ class Connection:
         return op
 
     # ------------------------------------------------------------------ the ops
-    def _dispatch(self, op: Op, req: Header, meta: memoryview) -> None:
+    def _dispatch(self, op: Op, req: Header, meta: bytes | memoryview) -> None:
         store, session = self.store, self.session
         if op is Op.GET:
             self._get(req, *split_get_keys(meta, req.count))
@@ -316,7 +343,10 @@ class Connection:
     def _get(self, req: Header, ns_id: bytes, keys: list[bytes], touch: list[bytes]) -> None:
         answer = self.store.get(self.session, ns_id, keys, touch)
         try:
-            self.reply(req, count=len(answer.views), meta=answer.flags, payload=answer.views)
+            views, flags = answer.views, answer.flags
+            head = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, req.op | RESPONSE_BIT, req.req_id,
+                               len(views), len(flags), sum(v.nbytes for v in views))
+            self.write([memoryview(head + flags), *views])  # the store's views are flat
         finally:
             answer.release()
 
