@@ -5,6 +5,7 @@ the lines a clean stop must not log."""
 from __future__ import annotations
 
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -34,10 +35,20 @@ def http(port: int, path: str) -> tuple[int, str]:
 
 def start_partial_put(address: str) -> NodeConnection:
     """A connection whose PUT sent its header, keys and half its payload: a request in
-    flight on the node until the rest comes (it never does)."""
+    flight on the node until the rest comes (it never does). Returns once the node counts it
+    in flight (its connection's thread has taken the header): a stop that comes after it
+    waits for it."""
     conn = NodeConnection(address)
     conn.declare(NS)
     meta = pack_keys(NS.id, [os.urandom(16)])
     head = Header(Op.PUT, 4242, 1, len(meta), CHUNK).pack()
     conn.sock.sendall(head + meta + bytes(CHUNK // 2))
+    probe = NodeConnection(address)
+    try:  # the STATS request is in flight too while it is answered
+        deadline = time.monotonic() + 30
+        while probe.stats()["server"]["inflight_requests"] < 2:
+            assert time.monotonic() < deadline, "the node never took the partial PUT"
+            time.sleep(0.01)
+    finally:
+        probe.close()
     return conn

@@ -229,6 +229,11 @@ class ServerTlsConfig(_Section):
         return self.cert_file is not None
 
 
+#: server.* keys that no longer mean anything (ServerConfig._retired_transport_keys).
+RETIRED_SERVER_KEYS = frozenset({"offload_bytes", "worker_threads", "net_threads",
+                                 "lane_connections", "inline_exists_keys"})
+
+
 class ServerConfig(_Section):
     """A storage node (`kvpool serve`): DRAM + SSD behind the binary protocol."""
 
@@ -249,13 +254,8 @@ class ServerConfig(_Section):
     shutdown_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM or SIGINT: the whole graceful stop (refuse new PUTs, let in-flight requests finish (at most half of it), deregister from etcd, flush the write-behind queue to SSD) takes at most this long; then the node exits 0. The old name drain_timeout_s is still accepted.")
     max_namespaces_per_connection: int = Field(256, ge=1, description="Namespaces one connection may declare (bounds per-connection memory); a NAMESPACE past it is refused BAD_REQUEST.")
     max_refusing: int = Field(32, ge=0, description="Connections over max_connections held open at once until their first request is answered BUSY; more are closed without an answer.")
-    offload_bytes: Size = Field(512 << 10, description="While more than one request is in flight, a payload at least this large is received or sent on a network thread (the copy out of the kernel releases the GIL) instead of the event loop.")
-    worker_threads: int = Field(0, ge=0, le=256, description="Threads for pool work the event loop must not wait on (lookups, SSD reads, deletes, durable commits, STATS). 0 = max(4, ssd.io_threads).")
-    net_threads: int = Field(16, ge=1, le=256, description="Network threads that move large payloads (see offload_bytes).")
-    lane_connections: int = Field(16, ge=0, le=256, description="Up to this many connections at once that have moved a payload of at least offload_bytes are each served by a thread of their own from then on (blocking socket calls, GETs and PUTs served on that thread; other requests still go through the event loop). The rest stay on the event loop. 0 = none.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics at http://<host>:<metrics_port>/metrics (the node's pool, its tiers and its server; 0 = any free port). Registered in etcd beside the node's address, so kvpool monitor finds it. Unset: none.")
     tls: ServerTlsConfig = Field(default_factory=lambda: ServerTlsConfig(), description="TLS for client connections.")
-    inline_exists_keys: int = Field(4096, ge=0, description="An EXISTS or EXISTS_PREFIX of at most this many keys that arrives while no other request is in flight is probed on the event loop (in-memory index lookups) instead of a worker thread: the hop there and back cost more than the probe. 0 = always on a worker. A GET of more keys than this is served wholly on a worker (scoping and pinning 65,536 keys held the loop for tens of milliseconds).")
     max_held_bytes: Size = Field(0, ge=0, description="Node-wide: bytes held at once for requests in progress: GET answers read from below DRAM into per-request buffers (until sent) and PUT payloads being received into reserved slots (until committed). A GET that would take it past this is answered BUSY (clients count a miss); a PUT keeps the chunks that fit and drops the rest as for lack of room, and is answered BUSY when none fits (a dropped save). A key no tier holds costs no payload memory. 0 = derived: a quarter of dram.capacity, at least 256 MiB.")
     tenant_held_share: float = Field(0.5, gt=0, le=1, description="With server.auth: the share of max_held_bytes one tenant (all its connections) may hold at once, and of the DRAM tier its PUTs in progress may hold reserved; past it, as past max_held_bytes. So one tenant's unread answers or stalled PUTs cannot starve the others. Without auth a tenant is any salt a client picks: only max_held_bytes applies.")
     payload_stall_timeout_s: float = Field(5.0, gt=0, description="A PUT whose payload stops arriving (no chunk completes) for this long is closed (counted payload_stalls in STATS) and its reserved slots released; idle_timeout_s still bounds a peer silent between requests.")
@@ -271,6 +271,16 @@ class ServerConfig(_Section):
                 raise ValueError("server.drain_timeout_s: the old name of "
                                  "server.shutdown_timeout_s; set only one of them")
             data["shutdown_timeout_s"] = data.pop("drain_timeout_s")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_transport_keys(cls, data: Any) -> Any:
+        """Keys of the node's former mixed transport (event loop, network threads, lanes),
+        which a thread per connection made meaningless: accepted and ignored, so configs
+        written for it still load."""
+        if isinstance(data, dict) and RETIRED_SERVER_KEYS & data.keys():
+            data = {k: v for k, v in data.items() if k not in RETIRED_SERVER_KEYS}
         return data
 
     @model_validator(mode="after")

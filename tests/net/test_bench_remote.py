@@ -14,6 +14,7 @@ from kvpool.bench.remote import RemotePlan, run_remote_bench
 KiB = 1024
 TINY = RemotePlan(sizes=(64 * KiB, 256 * KiB), repeats=2, pass_bytes=1 << 20, min_chunks=4,
                   thread_pass_bytes=2 << 20, exists_keys=512, exists_calls=20,
+                  small_get_calls=20,
                   headline_size=256 * KiB)
 
 
@@ -28,9 +29,12 @@ def test_tiny_remote_bench_reports_every_ratio() -> None:
     rows = result.pop("_rows")
     data = json.loads(json.dumps(result, default=str))
     for name in ("remote_get_vs_raw_socket", "remote_put_vs_raw_socket", "remote_get_vs_redis",
-                 "remote_put_vs_redis", "remote_get_vs_redis_4t", "remote_get_tls_vs_plain"):
+                 "remote_put_vs_redis", "remote_get_vs_redis_4t", "remote_get_tls_vs_plain",
+                 "remote_get_256k_vs_raw_socket"):
         assert _positive(data["ratios"][name]), name
     assert _positive(data["exists_prefix_512_p99_ms"])
+    assert _positive(data["remote_get_4k_p50_us"])
+    assert data["small_get"]["kvpool"]["calls"] == data["small_get"]["raw"]["calls"] == 20
     tls = data["tls"]  # the same GET case through a TLS node, passes alternating with plain
     assert tls["chunk_bytes"] == TINY.headline_size and tls["threads"] == 1
     assert len(tls["kvpool"]["pass_wall_s"]) == len(tls["reference"]["pass_wall_s"]) == 2

@@ -2,7 +2,8 @@
 PINGs a real ``kvpool serve`` in a loop while another client declares a namespace over a large
 SSD index (the first declare after a restart sorts the index for the warm start) and while
 256 MiB PUTs run (each copied into the SSD's write-behind staging). The PING latency is the
-stall the idle connection sees.
+stall the idle connection sees (each connection has a thread of its own: what it waits for
+is the GIL and a core).
 
 The index is written before the node starts by an in-process engine on the node's cache_dir
 (``KVPOOL_STALL_RECORDS`` records of one 8 KiB block pair each; 300,000 by default, 8-18 s
@@ -160,8 +161,7 @@ def test_an_idle_connection_is_not_stalled_by_a_declare_over_a_large_index_nor_b
         _wait_for_warm_starts(node.address)
         declared = time.perf_counter()
 
-        # (b) 256 MiB PUTs (on the first the connection is still served by the event loop,
-        # then by a lane of its own)
+        # (b) 256 MiB PUTs, each received and committed on its connection's thread
         payload = memoryview(bytearray(PUT_BYTES))
         chunks = [payload[i:i + PUT_CHUNK] for i in range(0, PUT_BYTES, PUT_CHUNK)]
         rng = np.random.default_rng(7)

@@ -1,5 +1,5 @@
-"""A real node's lifecycle: SIGTERM with clients connected (one on a lane) stops it cleanly
-and keeps what it acknowledged; during the stop new PUTs are refused BUSY while reads are
+"""A real node's lifecycle: SIGTERM with clients connected (one that moved payloads) stops
+it cleanly and keeps what it acknowledged; during the stop new PUTs are refused BUSY while reads are
 answered and /readyz says 503; SIGHUP reloads the config live; SIGINT during a large DRAM
 prefault is one line; a flood of garbage connections is a bounded number of log lines; with
 ``log.format: json`` every line, stdout's included, is JSON with an event name; and the
@@ -25,7 +25,7 @@ from kvtest import payload_for, wait_for
 from lifecycle_support import CHUNK, NS, bad_lines, http, start_partial_put
 from metrics_support import scrape_url, value
 from node_process import NodeProcess
-from test_node_lanes import laned
+from test_node_threads import connected
 
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import HEADER_BYTES, RemoteError
@@ -47,11 +47,11 @@ def held(conn: NodeConnection, keys: list[bytes]) -> bool:
                                                                        strict=True))
 
 
-def test_sigterm_with_clients_and_a_lane_exits_0_without_errors_and_keeps_acked_puts(
+def test_sigterm_with_clients_exits_0_without_errors_and_keeps_acked_puts(
         tmp_path: Path) -> None:
     node = NodeProcess(tmp_path, pool={"ssd_write": "through"}).start()
     try:
-        lane, _ = laned(node.address)  # a connection a lane thread serves
+        mover, _ = connected(node.address)  # a connection that moved payloads
         idle = NodeConnection(node.address)
         idle.ping()
         writer = NodeConnection(node.address)
@@ -60,7 +60,7 @@ def test_sigterm_with_clients_and_a_lane_exits_0_without_errors_and_keeps_acked_
         text = node.log.read_text()
         assert not bad_lines(text), text
         assert "stopping (SIGTERM)" in text
-        for conn in (lane, idle, writer):
+        for conn in (mover, idle, writer):
             conn.close()
         node.start()
         fresh = NodeConnection(node.address)
@@ -198,7 +198,7 @@ def json_doc(line: str) -> dict[str, Any]:
 def test_json_logs_every_line_of_stdout_and_stderr_has_an_event(tmp_path: Path) -> None:
     node = NodeProcess(tmp_path, log={"format": "json"}, server={"metrics_port": 0}).start()
     assert node.proc is not None and node.proc.stdout is not None
-    conn, _ = laned(node.address)
+    conn, _ = connected(node.address)
     with socket.create_connection(("127.0.0.1", node.port)) as sock:
         sock.sendall(bytes(HEADER_BYTES))  # a bad frame: a protocol_error line
         sock.recv(1)

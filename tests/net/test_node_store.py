@@ -3,10 +3,8 @@ tmp_path) driven the way a connection drives it, one Session per simulated conne
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +22,17 @@ ADMIN = "admin-token-000"
 
 
 class Store:
-    """A NodeStore over a real pool, with the executor it needs and a loop to drive it."""
+    """A NodeStore over a real pool."""
 
     def __init__(self, tmp_path: Path, **server: Any) -> None:
         # evict: the counts asserted below (invalidate's copies) are DRAM's alone, not racing
         # the write-behind to SSD
         config = small_config(tmp_path, server=server, pool={"ssd_write": "evict"})
         self.pool = KVPool(config, remote=False)
-        self.executor = ThreadPoolExecutor(4)
-        self.store = NodeStore(self.pool, config.server, self.executor, "node-under-test")
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run(coro)
+        self.store = NodeStore(self.pool, config.server, "node-under-test")
 
     def close(self) -> None:
         self.pool.close()
-        self.executor.shutdown(wait=True)
 
     def declare(self, session: Session, ns: Namespace) -> bytes:
         features, ns_id = self.store.declare(session, json.dumps(ns.canonical()).encode())
@@ -49,30 +42,24 @@ class Store:
     def put(self, session: Session, ns: Namespace, keys: list[bytes]) -> tuple[int, int]:
         """PUT ``keys`` with payload_for bytes, filling the targets as a transport would.
         Returns (chunks stored, chunks that needed no receive)."""
-        async def go() -> tuple[int, int]:
-            batch = await self.store.begin_put(session, ns.id, keys, len(keys) * CHUNK)
-            try:
-                for key, target in zip(keys, batch.targets, strict=True):
-                    if target is not None:
-                        target[:] = payload_for(key).tobytes()
-                skipped = sum(t is None for t in batch.targets)
-                return await self.store.commit_put(batch), skipped
-            finally:
-                batch.abort()
-        result: tuple[int, int] = self.run(go())
-        return result
+        batch = self.store.begin_put(session, ns.id, keys, len(keys) * CHUNK)
+        try:
+            for key, target in zip(keys, batch.targets, strict=True):
+                if target is not None:
+                    target[:] = payload_for(key).tobytes()
+            skipped = sum(t is None for t in batch.targets)
+            return self.store.commit_put(batch), skipped
+        finally:
+            batch.abort()
 
     def get(self, session: Session, ns: Namespace, keys: list[bytes],
             touch: list[bytes] | None = None) -> list[bytes | None]:
-        async def go() -> list[bytes | None]:
-            answer = await self.store.get(session, ns.id, keys, touch or [])
-            try:
-                views = iter(answer.views)
-                return [bytes(next(views)) if flag else None for flag in answer.flags]
-            finally:
-                answer.release()
-        result: list[bytes | None] = self.run(go())
-        return result
+        answer = self.store.get(session, ns.id, keys, touch or [])
+        try:
+            views = iter(answer.views)
+            return [bytes(next(views)) if flag else None for flag in answer.flags]
+        finally:
+            answer.release()
 
 
 @pytest.fixture
@@ -95,9 +82,7 @@ def keys_of(n: int, tag: bytes = b"k") -> list[bytes]:
 
 def refused(fn: Any, *args: Any) -> Refused:
     with pytest.raises(Refused) as info:
-        result = fn(*args)
-        if asyncio.iscoroutine(result):
-            asyncio.run(result)
+        fn(*args)
     return info.value
 
 
@@ -112,14 +97,14 @@ def test_put_get_exists_touch_delete_invalidate_results(open_store: Store) -> No
     assert s.put(session, ns, keys[:4]) == (4, 4)  # already stored: nothing to receive
     got = s.get(session, ns, keys[:5])
     assert got[:4] == [payload_for(k).tobytes() for k in keys[:4]] and got[4] is None
-    assert s.run(store.exists(session, ns.id, keys)) == [True] * 4 + [False] * 2
-    assert s.run(store.exists_prefix(session, ns.id, [keys[0], keys[1], keys[5], keys[2]])) == 2
+    assert store.exists(session, ns.id, keys) == [True] * 4 + [False] * 2
+    assert store.exists_prefix(session, ns.id, [keys[0], keys[1], keys[5], keys[2]]) == 2
     assert store.touch(session, ns.id, keys) == 4
-    assert s.run(store.delete(session, ns.id, [keys[0], keys[5]])) == 1
+    assert store.delete(session, ns.id, [keys[0], keys[5]]) == 1
     assert s.get(session, ns, [keys[0]]) == [None]
-    assert s.run(store.invalidate(session, ns.id)) == 3
-    assert s.run(store.exists(session, ns.id, keys)) == [False] * 6
-    stats = s.run(store.stats(session, {"connections": 1}))
+    assert store.invalidate(session, ns.id) == 3
+    assert store.exists(session, ns.id, keys) == [False] * 6
+    stats = store.stats(session, {"connections": 1})
     assert stats["server"]["put_chunks"] == 8
     assert stats["server"]["get_hits"] == 4 and stats["server"]["get_misses"] == 2
     assert stats["server"]["connections"] == 1 and stats["server"]["namespaces"] == 1
@@ -142,7 +127,7 @@ def test_chunks_beyond_dram_are_served_from_the_ssd(open_store: Store) -> None:
         want = [payload_for(k).tobytes() for k in keys[i:i + 4]]
         assert s.get(session, ns, keys[i:i + 4]) == want
     assert s.pool.stats()["ssd"]["hits"] >= 24
-    assert s.run(store.exists_prefix(session, ns.id, keys)) == 40
+    assert store.exists_prefix(session, ns.id, keys) == 40
 
 
 def test_keys_are_scoped_by_namespace(open_store: Store) -> None:
@@ -154,7 +139,7 @@ def test_keys_are_scoped_by_namespace(open_store: Store) -> None:
     keys = keys_of(2)
     s.put(session, a, keys)
     assert s.get(session, b, keys) == [None, None]
-    assert s.run(store.exists(session, b.id, keys)) == [False, False]
+    assert store.exists(session, b.id, keys) == [False, False]
     # What the pool holds is filed under the scoped key, not the client's.
     assert s.pool.contains_many(a, [scoped_chunk_key(a.id, k) for k in keys]) == [True, True]
     assert s.pool.contains_many(a, keys) == [False, False]
@@ -167,15 +152,12 @@ def test_an_aborted_put_publishes_nothing(open_store: Store) -> None:
     s.declare(session, ns)
     keys = keys_of(3)
 
-    async def half_received() -> None:
-        batch = await store.begin_put(session, ns.id, keys, 3 * CHUNK)
-        target = batch.targets[0]
-        assert target is not None
-        target[:] = payload_for(keys[0]).tobytes()
-        batch.abort()  # the peer went away before the rest arrived
-
-    s.run(half_received())
-    assert s.run(store.exists(session, ns.id, keys)) == [False] * 3
+    batch = store.begin_put(session, ns.id, keys, 3 * CHUNK)
+    target = batch.targets[0]
+    assert target is not None
+    target[:] = payload_for(keys[0]).tobytes()
+    batch.abort()  # the peer went away before the rest arrived
+    assert store.exists(session, ns.id, keys) == [False] * 3
     assert s.put(session, ns, keys) == (3, 0)  # the slots were given back
 
 
@@ -197,7 +179,7 @@ def test_error_statuses(tmp_path: Path) -> None:
         assert refused(store.touch, session, ns.id, keys).status == Status.UNKNOWN_NAMESPACE
         s.declare(session, ns)
         with pytest.raises(ProtocolError):
-            s.run(store.begin_put(session, ns.id, keys, 5 * CHUNK - 1))
+            store.begin_put(session, ns.id, keys, 5 * CHUNK - 1)
         assert refused(store.get, session, ns.id, keys).status == Status.TOO_LARGE
         s.declare(session, byte_namespace(model="second"))
         third = byte_namespace(model="third")
@@ -208,7 +190,7 @@ def test_error_statuses(tmp_path: Path) -> None:
         assert full.status == Status.BUSY
         store.close_session(session)  # its two namespaces become unused: forgettable
         s.declare(other, byte_namespace(model="fourth"))
-        stats = s.run(store.stats(other, {}))["server"]
+        stats = store.stats(other, {})["server"]
         assert stats["namespaces_refused"] == 1 and stats["namespaces_forgotten"] == 1
     finally:
         s.close()
@@ -234,7 +216,7 @@ def test_auth_and_tenancy(auth_store: Store) -> None:
     s.declare(session, beta)
     assert s.get(session, beta, keys) == [None, None]
     # A tenant sees its own figures only; the admin sees the node and every tenant.
-    mine = s.run(store.stats(session, {"connections": 9}))
+    mine = store.stats(session, {"connections": 9})
     assert set(mine) == {"server", "tenants", "namespaces", "retention"} \
         and set(mine["tenants"]) == {"beta"}
     assert "connections" not in mine["server"]
@@ -242,7 +224,7 @@ def test_auth_and_tenancy(auth_store: Store) -> None:
     admin = store.open_session()
     assert json.loads(store.authenticate(admin, ADMIN.encode()))["admin"] is True
     assert refused(s.declare, admin, acme).status == Status.FORBIDDEN
-    everything = s.run(store.stats(admin, {"connections": 9}))
+    everything = store.stats(admin, {"connections": 9})
     assert everything["server"]["connections"] == 9 and "ssd" in everything
     tenants = everything["tenants"]
     assert tenants["acme"]["put_chunks"] == 2 and tenants["acme"]["get_hits"] == 2
@@ -267,16 +249,16 @@ def test_invalidate_by_id_without_declaring(auth_store: Store) -> None:
     assert refused(store.invalidate, beta, acme.id).status == Status.FORBIDDEN
     tenant = store.open_session()
     store.authenticate(tenant, b"token-acme-123")
-    assert s.run(store.invalidate(tenant, acme.id)) == 3  # DRAM copies (evict mode)
-    assert s.run(store.exists(writer, acme.id, keys_of(3))) == [False] * 3
-    assert s.run(store.exists(writer, other.id, keys_of(3))) == [True] * 3  # untouched
+    assert store.invalidate(tenant, acme.id) == 3  # DRAM copies (evict mode)
+    assert store.exists(writer, acme.id, keys_of(3)) == [False] * 3
+    assert store.exists(writer, other.id, keys_of(3)) == [True] * 3  # untouched
     unknown = bytes(range(16))  # no client declared it here: its tenant is unknown
     assert refused(store.invalidate, tenant, unknown).status == Status.FORBIDDEN
     admin = store.open_session()
     store.authenticate(admin, ADMIN.encode())
-    assert s.run(store.invalidate(admin, unknown)) == 0
-    assert s.run(store.invalidate(admin, other.id)) == 3
-    assert s.run(store.exists(writer, other.id, keys_of(3))) == [False] * 3
+    assert store.invalidate(admin, unknown) == 0
+    assert store.invalidate(admin, other.id) == 3
+    assert store.exists(writer, other.id, keys_of(3)) == [False] * 3
 
 
 def test_stats_list_namespaces_and_the_drain_flag(open_store: Store) -> None:
@@ -284,14 +266,14 @@ def test_stats_list_namespaces_and_the_drain_flag(open_store: Store) -> None:
     session = store.open_session()
     ns = byte_namespace(model="listed", salt="t1:x")
     s.declare(session, ns)
-    stats = s.run(store.stats(session, {}))
+    stats = store.stats(session, {})
     assert stats["namespaces"] == [{"id": ns.id.hex(), "model": "listed", "revision": "main",
                                     "tenant": "t1", "chunk_bytes": CHUNK, "in_use": True}]
     assert stats["server"]["draining"] is False
     store.drain_flag = lambda: True
     assert store.drained
     store.close_session(session)
-    stats = s.run(store.stats(store.open_session(), {}))
+    stats = store.stats(store.open_session(), {})
     assert stats["server"]["draining"] is True and not stats["namespaces"][0]["in_use"]
 
 
@@ -313,16 +295,12 @@ def test_a_put_keeps_what_fits_the_held_bytes_budget_and_busy_when_nothing_fits(
         found = s.get(session, ns, keys)
         assert sum(f is not None for f in found) == 6
 
-        async def hold_then_put() -> Refused:
-            batch = await store.begin_put(session, ns.id, keys_of(4, b"h"), 4 * CHUNK)
-            try:
-                assert store.held.held == 4 * CHUNK
-                with pytest.raises(Refused) as info:
-                    await store.begin_put(session, ns.id, keys_of(1, b"x"), CHUNK)
-                return info.value
-            finally:
-                batch.abort()
-        busy = s.run(hold_then_put())
+        batch = store.begin_put(session, ns.id, keys_of(4, b"h"), 4 * CHUNK)
+        try:
+            assert store.held.held == 4 * CHUNK
+            busy = refused(store.begin_put, session, ns.id, keys_of(1, b"x"), CHUNK)
+        finally:
+            batch.abort()
         assert busy.status is Status.BUSY and "max_held_bytes" in busy.message
         assert store.held.held == 0
     finally:

@@ -24,7 +24,8 @@ from kvpool.net.connection import open_connection
 from kvpool.net.protocol import RemoteError
 from kvpool.net.tls import TlsHandshakeError, client_tls
 
-CHUNK = 1 << 20  # large enough for the node's large-payload path (server.offload_bytes)
+CHUNK = 1 << 20  # a GET answer larger than the client's inbox: received straight
+SMALL = 4 << 10  # one that fits it: received whole into the inbox, then copied out
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +61,18 @@ def test_data_moves_intact_over_tls(tls_node: NodeProcess, certs: Certs) -> None
             assert client.get_many_into(ns, keys, outs) == [True] * len(keys)
             for key, out in zip(keys, outs, strict=True):
                 assert np.array_equal(out, payload_for(key, CHUNK))
+        small = byte_namespace(SMALL, salt="tls-small")
+        client.register_namespace(small)
+        assert client.put_many([(k, small, payload_for(k, SMALL)) for k in keys[:4]]) == 4
+        outs = [np.zeros(SMALL, np.uint8) for _ in keys]
+        assert client.get_many_into(small, keys, outs) == [True] * 4 + [False] * 2
+        for key, out in zip(keys[:4], outs[:4], strict=True):
+            assert np.array_equal(out, payload_for(key, SMALL))
     finally:
         client.close()
     conn = open_connection(tls_node.address, tls=client_tls(client_cfg(tls_node, certs.ca).tls))
     try:
-        server = conn.stats()["server"]  # STATS: answered on the event loop, sent by the thread
+        server = conn.stats()["server"]
         assert server["tls_connections"] >= 2
         assert conn.delete(ns, keys[:2]) == 2
         assert conn.exists(ns, keys) == [False, False] + [True] * 4

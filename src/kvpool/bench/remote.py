@@ -12,6 +12,8 @@ with 1 and 4 threads (a connection per thread for every system); each op moves o
   Redis is flushed between passes outside the timing).
 * a prefix lookup of 512 keys (all present; one EXISTS with a per-key answer) per call,
   p50 / p99, beside a raw 512-key round trip and Redis ``EXISTS`` of the same 512 keys.
+* small GETs: one 4 KiB chunk per call, one thread, p50 / p99 in µs beside the raw socket's
+  (``remote_get_4k_p50_us``; calls alternate kvpool / raw).
 
 Passes alternate kvpool / raw / Redis so machine noise hits all three; each GET pass checks the
 last chunk every thread read against the bytes written.
@@ -75,6 +77,7 @@ class RemotePlan:
     min_chunks: int = 8
     exists_keys: int = 512
     exists_calls: int = 400
+    small_get_calls: int = 3000
     headline_size: int = 2 * MiB
     quick: bool = False
     #: The node's metrics (histograms recorded, /metrics served) on or off.
@@ -83,7 +86,7 @@ class RemotePlan:
     @classmethod
     def quick_plan(cls) -> RemotePlan:
         return cls(repeats=3, pass_bytes=32 * MiB, thread_pass_bytes=32 * MiB,
-                   exists_calls=150, quick=True)
+                   exists_calls=150, small_get_calls=1000, quick=True)
 
     def chunks(self, size: int) -> int:
         """Chunks stored per size (a 1-thread pass moves each once)."""
@@ -260,6 +263,40 @@ def _bench_exists(sys_: _Systems, plan: RemotePlan) -> dict[str, Any]:
                    "calls": len(v)} for name, v in lat.items() if v}
 
 
+def _bench_small_get(sys_: _Systems, plan: RemotePlan) -> dict[str, Any]:
+    """One 4 KiB GET per call, one thread, calls alternating kvpool / raw socket: the
+    per-request cost where the bytes cost nothing. Raises BenchFailure on a miss or wrong
+    bytes."""
+    size = 4 * KiB
+    ns: Namespace = namespace_for(size)
+    sys_.kv.register_namespace(ns)
+    keys = [os.urandom(16) for _ in range(64)]
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    if sys_.kv.put_many([(k, ns, byte_view(data)) for k in keys]) != len(keys):
+        raise BenchFailure("the small GET case could not store its chunks")
+    out = np.zeros(size, np.uint8)
+    view = byte_view(out, writable=True)
+    kv, raw = sys_.kv, sys_.raw[0]
+    lat: dict[str, list[float]] = {"kvpool": [], "raw": []}
+    for i in range(plan.small_get_calls + 50):  # the first 50: warm-up, not kept
+        key = [keys[i % len(keys)]]
+        t0 = time.perf_counter()
+        hit = kv.get_many_into(ns, key, [view])[0]
+        t1 = time.perf_counter()
+        raw.get_into(i % 8, view[:size])
+        t2 = time.perf_counter()
+        if not hit:
+            raise BenchFailure("a small GET missed a stored chunk")
+        if i >= 50:
+            lat["kvpool"].append(t1 - t0)
+            lat["raw"].append(t2 - t1)
+    kv.get_many_into(ns, keys[:1], [view])
+    _verify("small get", out, data)
+    sys_.kv.invalidate(ns)
+    return {name: {"p50_us": percentile(v, 50) * 1e6, "p99_us": percentile(v, 99) * 1e6,
+                   "calls": len(v)} for name, v in lat.items()}
+
+
 def _bench_tls(sys_: _Systems, plan: RemotePlan, scratch: Path,
                log: Callable[[str], None]) -> Comparison:
     """The GET case at the headline size, 1 thread, through a TLS node (kvpool) vs the plain
@@ -352,6 +389,9 @@ def run_remote_bench(plan: RemotePlan,
             log(f"{human_bytes(size)} chunks: {plan.chunks(size)} per pass")
             _bench_size(systems, plan, size, rows, log)
         exists = _bench_exists(systems, plan)
+        small_get = _bench_small_get(systems, plan)
+        log(f"  get 4 KiB 1t: kvpool p50 {small_get['kvpool']['p50_us']:.0f} µs, raw "
+            f"{small_get['raw']['p50_us']:.0f} µs")
         if openssl_available():
             tls_row = _bench_tls(systems, plan, scratch, log)
         else:
@@ -374,6 +414,9 @@ def run_remote_bench(plan: RemotePlan,
                 if value is not None:
                     suffix = "" if threads == 1 else f"_{threads}t"
                     ratios[f"remote_{op}_vs_{name}{suffix}"] = value
+    small = _ratio(rows, "get", 256 * KiB, 1, "raw socket")
+    if small is not None:
+        ratios["remote_get_256k_vs_raw_socket"] = small
     if tls_row is not None:
         ratios["remote_get_tls_vs_plain"] = tls_row.ratio
     return {
@@ -386,6 +429,8 @@ def run_remote_bench(plan: RemotePlan,
                        "through a TLS node / the plain node, median passes",
         "exists_prefix_512_p99_ms": exists["kvpool"]["p99_ms"],
         "exists_prefix": exists,
+        "remote_get_4k_p50_us": small_get["kvpool"]["p50_us"],
+        "small_get": small_get,
         "cases": [dict(r.to_json(), id=f"{r.case}/{r.chunk_bytes}/{r.threads}t/"
                                        f"{r.reference_name}") for r in rows],
         "tls": None if tls_row is None else tls_row.to_json(),
@@ -464,6 +509,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     console.print("lookup (EXISTS) of 512 keys, per call (p50 / p99):")
     for name, fig in result["exists_prefix"].items():
         console.print(f"  {name:8s} {fig['p50_ms']:.3f} ms / {fig['p99_ms']:.3f} ms")
+    small = result["small_get"]
+    console.print(f"GET of one 4 KiB chunk (p50 / p99): kvpool {small['kvpool']['p50_us']:.0f} / "
+                  f"{small['kvpool']['p99_us']:.0f} µs, raw socket {small['raw']['p50_us']:.0f} / "
+                  f"{small['raw']['p99_us']:.0f} µs")
     console.print("ratios (kvpool / reference, > 1 = kvpool faster):")
     for name, value in result["ratios"].items():
         console.print(f"  {name:32s} {value:6.2f}x")

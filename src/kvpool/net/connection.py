@@ -60,6 +60,9 @@ from kvpool.net.protocol import (
 from kvpool.net.tls import ClientTls
 
 IOV_MAX = 512  # iovecs per sendmsg: under the kernel's limit (UIO_MAXIOV, 1024)
+#: A GET whose whole answer can be at most this large is received in one receive into the
+#: connection's inbox (header, flags and payload), then copied out: one syscall, not two.
+INBOX_BYTES = 64 << 10
 _DEFAULTS = ClusterConfig()
 
 
@@ -88,6 +91,10 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
 class NodeConnection:
     """One TCP connection. Not thread-safe: use one per thread (NodePool does)."""
 
+    #: What a receive raises when the node sent nothing for ``request_timeout`` (the
+    #: kernel's timeout: BlockingIOError; Python's, on a TLS socket: TimeoutError).
+    SILENT: tuple[type[OSError], ...] = (BlockingIOError,)
+
     def __init__(self, address: str, token: str | None = None, connect_timeout: float = 0.5,
                  request_timeout: float = 5.0,
                  socket_buffer_bytes: int = _DEFAULTS.socket_buffer_bytes) -> None:
@@ -98,6 +105,7 @@ class NodeConnection:
             self._timeout = request_timeout
             self._req_id = 0
             self._header = memoryview(bytearray(HEADER_BYTES))
+            self._inbox = memoryview(bytearray(INBOX_BYTES))
             self.declared: set[bytes] = set()
             #: What the node advertised in its first NAMESPACE answer (None before that).
             self.features: Feature | None = None
@@ -136,6 +144,17 @@ class NodeConnection:
             except BlockingIOError:
                 raise self._timed_out() from None
             advance(bufs, sent)
+
+    def _recv_some(self, view: memoryview) -> int:
+        """One receive into ``view``: what has arrived (at least a byte). Raises
+        ConnectionError on EOF, TimeoutError after ``request_timeout`` without a byte."""
+        try:
+            n = self.sock.recv_into(view)
+        except self.SILENT:
+            raise self._timed_out() from None
+        if n == 0:
+            raise ConnectionError(f"node {self.address} closed the connection")
+        return n
 
     def _recv_exact(self, view: memoryview) -> None:
         self._recv_all([view])
@@ -264,6 +283,8 @@ class NodeConnection:
         meta = ns_id + b"".join(keys) + (b"".join(touch) if touch and self._get_touch
                                           else b"")
         req = self._request(Op.GET, count, meta)
+        if HEADER_BYTES + count * (1 + ns.chunk_bytes) <= INBOX_BYTES:
+            return self._small_get(req, count, ns.chunk_bytes, views)
         head = self._head(Op.GET, req)
         if (count and head.status == Status.OK and head.meta_len == count
                 and head.payload_len == count * ns.chunk_bytes):
@@ -277,6 +298,37 @@ class NodeConnection:
         if head.payload_len != sum(found) * ns.chunk_bytes:
             raise ProtocolError(f"malformed GET answer from {self.address}")
         self._recv_all([view for view, hit in zip(views, found, strict=True) if hit])
+        return found
+
+    def _small_get(self, req_id: int, count: int, chunk_bytes: int,
+                   views: list[memoryview]) -> list[bool]:
+        """The answer to a GET whose answer fits the inbox: received there whole (usually in
+        one receive), the hits copied into ``views``. Raises as ``get_into``."""
+        inbox, have = self._inbox, 0
+        while have < HEADER_BYTES:
+            have += self._recv_some(inbox[have:])
+        head = unpack_header(inbox[:HEADER_BYTES])
+        if head.op != Op.GET | RESPONSE_BIT or head.req_id != req_id:
+            raise ProtocolError(f"node {self.address} answered op {head.op} id {head.req_id} "
+                                f"to op {int(Op.GET)} id {req_id}")
+        end = HEADER_BYTES + head.meta_len + head.payload_len
+        if end > INBOX_BYTES:
+            raise ProtocolError(f"GET answer from {self.address} larger than its keys")
+        while have < end:
+            have += self._recv_some(inbox[have:end])
+        meta = inbox[HEADER_BYTES:HEADER_BYTES + head.meta_len]
+        if head.status != Status.OK:
+            if head.payload_len:
+                raise ProtocolError("error answer with a payload")
+            raise error_for(head.status, bytes(meta).decode(errors="replace"))
+        found = parse_flags(bytes(meta), count)
+        if head.payload_len != sum(found) * chunk_bytes:
+            raise ProtocolError(f"malformed GET answer from {self.address}")
+        at = HEADER_BYTES + count
+        for view, hit in zip(views, found, strict=True):
+            if hit:
+                view[:] = inbox[at:at + chunk_bytes]
+                at += chunk_bytes
         return found
 
     def put(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
@@ -338,6 +390,8 @@ class TlsNodeConnection(NodeConnection):
                  request_timeout: float, socket_buffer_bytes: int, tls: ClientTls) -> None:
         self._tls = tls
         super().__init__(address, token, connect_timeout, request_timeout, socket_buffer_bytes)
+
+    SILENT = (TimeoutError,)
 
     def _dial(self, connect_timeout: float, socket_buffer_bytes: int) -> socket.socket:
         sock = super()._dial(connect_timeout, socket_buffer_bytes)

@@ -156,8 +156,11 @@ class RemotePinLimitError(RemoteError, PinLimitError):
     pool.max_pinned_fraction."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Header:
+    """One frame's header. Not frozen: built twice per request on each side, and a frozen
+    dataclass's ``__init__`` costs five times as much (treat it as immutable)."""
+
     op: int
     req_id: int
     count: int

@@ -9,7 +9,7 @@ node holds at most ``limit`` bytes in all, one tenant at most ``tenant_limit`` o
 one tenant's PUTs at most ``put_limit`` (that share of the DRAM tier: a PUT that stalls must
 not reserve all of DRAM). Nothing here waits: a take that does not fit returns nothing, and
 the store answers BUSY (or, for a PUT, drops the chunks that do not fit). Thread-safe (the
-event loop, lanes and workers take and give).
+connections' threads take and give).
 """
 
 from __future__ import annotations

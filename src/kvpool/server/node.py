@@ -1,5 +1,7 @@
 """The storage node behind ``kvpool serve``: an embedded KVPool (DRAM arena + SSD engine)
-served over kvpool's binary protocol on asyncio/uvloop, registered in etcd when configured.
+served over kvpool's binary protocol, registered in etcd when configured. Each connection is
+served by a thread of its own (connection.py); the asyncio/uvloop event loop only accepts
+connections, runs the idle sweeper and the stop, and takes the signals.
 
 Lifecycle: ``run()`` raises the soft fd limit to the hard one, binds, opens the pool,
 registers, logs one ``listening`` line (on stdout, see kvpool.logs.STATUS_LOGGER) and serves.
@@ -41,7 +43,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any
 
@@ -75,8 +76,7 @@ status = logging.getLogger(STATUS_LOGGER)
 #: Server settings every part of the node reads at use: a reload applies them at once.
 LIVE_SERVER_LIMITS = ("max_connections", "max_refusing", "idle_timeout_s", "auth_timeout_s",
                       "max_inflight_bytes", "max_frame_bytes", "max_keys", "max_item_bytes",
-                      "max_namespaces_per_connection", "offload_bytes", "inline_exists_keys",
-                      "shutdown_timeout_s")
+                      "max_namespaces_per_connection", "shutdown_timeout_s")
 #: Read at use by whoever owns them; live without a hook.
 
 
@@ -108,12 +108,8 @@ class StorageNode:
         self._reload_config = reload_config
         srv = config.server
         self.tls = self._tls_context(config)  # None: plain TCP
-        self.executor = ThreadPoolExecutor(srv.worker_threads or max(4, config.ssd.io_threads),
-                                           thread_name_prefix="kvpool-node")
-        self.traffic = Traffic(srv.net_threads,
-                               LabeledLatency() if config.metrics.enabled else None,
-                               srv.lane_connections)
-        self._connections = self.traffic.served
+        self.traffic = Traffic(LabeledLatency() if config.metrics.enabled else None)
+        self._connections: dict[asyncio.Task[None], Connection] = {}
         self._refusing: dict[asyncio.Task[None], Connection] = {}
         self._say_refused = RateLimited()
         self._serving = False  # registered and accepting (readiness)
@@ -137,8 +133,7 @@ class StorageNode:
             self.listener.close()
             raise
         self.events = self._start_events(config)  # KV events (docs/routing.md); None: off
-        self.store = NodeStore(self.pool, srv, self.executor, self.node_id)
-        self._tls_threads: ThreadPoolExecutor | None = None  # server.tls's connections
+        self.store = NodeStore(self.pool, srv, self.node_id)
         self._drain_watch: Any = None  # the etcd view this node learns its drain flag from
         self._identity_lock: Any = None  # held while registered: one process per identity
         self.exit_status = 0  # 2 once another node took this node id (registration lost)
@@ -208,17 +203,12 @@ class StorageNode:
             raise NodeStartError(str(exc)) from None
 
     def _connection(self, sock: socket.socket, refusal: str | None = None) -> Connection:
-        """The connection object for an accepted socket: over TLS (a thread of its own,
-        server/tls.py) when server.tls is set, else plain on the event loop."""
+        """The connection object for an accepted socket: over TLS (server/tls.py) when
+        server.tls is set, else plain."""
         if self.tls is None:
             return Connection(self.store, self.traffic, sock, refusal)
         from kvpool.server.tls import TlsConnection
-        if self._tls_threads is None:  # one per connection: max_connections + max_refusing
-            srv = self.config.server
-            self._tls_threads = ThreadPoolExecutor(srv.max_connections + srv.max_refusing,
-                                                   thread_name_prefix="kvpool-node-tls")
-        return TlsConnection(self.store, self.traffic, sock, self.tls, self._tls_threads,
-                             refusal)
+        return TlsConnection(self.store, self.traffic, sock, self.tls, refusal)
 
     def _metrics_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"connections": len(self._connections),
@@ -366,11 +356,38 @@ class StorageNode:
     def _start(self, conn: Connection, table: dict[asyncio.Task[None], Connection]) -> None:
         task = asyncio.create_task(self._serve_connection(conn))
         table[task] = conn
-        task.add_done_callback(lambda t: table.pop(t, None))
+        self.traffic.connections = len(self._connections)
+
+        def done(t: asyncio.Task[None]) -> None:
+            table.pop(t, None)
+            self.traffic.connections = len(self._connections)
+
+        task.add_done_callback(done)
 
     async def _serve_connection(self, conn: Connection) -> None:
+        """Serve ``conn`` on a thread of its own and wait for it. Cancelled (the node stops):
+        the socket is shut down, which ends the thread's blocking call, and the thread is
+        waited for. The socket is closed once the thread is done."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finished() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def run() -> None:
+            try:
+                conn.serve()  # never raises
+            finally:
+                loop.call_soon_threadsafe(finished)
+
+        threading.Thread(target=run, name=f"kvpool-conn {conn.peer}", daemon=True).start()
         try:
-            await conn.serve()
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            conn.shut()
+            await done
+            raise
         finally:
             conn.sock.close()
 
@@ -383,10 +400,10 @@ class StorageNode:
         while True:
             await asyncio.sleep(min(1.0, srv.idle_timeout_s / 4, srv.auth_timeout_s / 4,
                                     srv.payload_stall_timeout_s / 4))
-            now = time.monotonic()  # the connections' clock (lane threads write it too)
+            now = time.monotonic()  # the connections' clock (their threads write it)
             for conn in [*self._connections.values(), *self._refusing.values()]:
                 conn.close_if_idle(now)
-            await expire_due(self.pool, self.executor)
+            await expire_due(self.pool)
 
     async def serve(self, ready: threading.Event | None = None) -> None:
         """Serve until ``stop()`` (or a signal when run by ``run``)."""
@@ -517,7 +534,7 @@ class StorageNode:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        flushed = await loop.run_in_executor(self.executor, self.pool.flush,
+        flushed = await loop.run_in_executor(None, self.pool.flush,
                                              max(0.0, deadline - time.monotonic()))
         if not flushed:
             log.warning("node %s: write-behind queue not drained within "
@@ -530,8 +547,7 @@ class StorageNode:
                            "seconds": round(time.monotonic() - started, 3)})
 
     async def _release(self) -> None:
-        """Close the listener, the metrics endpoint, the drain watch, the pool and the worker
-        threads."""
+        """Close the listener, the metrics endpoint, the drain watch and the pool."""
         self.listener.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -539,15 +555,11 @@ class StorageNode:
             await asyncio.get_running_loop().run_in_executor(None, self._drain_watch.close)
         if self._identity_lock is not None:
             self._identity_lock.release()
-        await asyncio.get_running_loop().run_in_executor(self.executor, self.pool.close)
+        await asyncio.get_running_loop().run_in_executor(None, self.pool.close)
         if self.query is not None:
             self.query.close()
         if self.events is not None:
             self.events.close()
-        self.executor.shutdown(wait=True)
-        self.traffic.shutdown()
-        if self._tls_threads is not None:
-            self._tls_threads.shutdown(wait=True)
 
 
 @contextlib.contextmanager

@@ -13,11 +13,12 @@ invalidate --model``, a tenant's right to invalidate one by id): the ones declar
 node started, up to ``server.max_namespaces``. Chunks on SSD of a namespace no client declared
 since then are known by id only.
 
-Used from the node's event-loop thread only.
+Thread-safe (every connection's thread declares and releases): one lock around each call.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -37,6 +38,7 @@ class NamespaceRegistry:
         self._in_use: dict[bytes, Namespace] = {}  # the same, by id
         self._unused: OrderedDict[bytes, Namespace] = OrderedDict()  # oldest released first
         self.forgotten = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._refs) + len(self._unused)
@@ -47,6 +49,10 @@ class NamespaceRegistry:
         Raises RegistryFull when the registry is at its limit with every namespace in use,
         and whatever ``KVPool.register_namespace`` raises (ValueError for a chunk size no
         tier can hold); nothing is taken then."""
+        with self._lock:
+            self._acquire(ns)
+
+    def _acquire(self, ns: Namespace) -> None:
         if ns.id in self._refs:
             self._refs[ns.id] += 1
             return
@@ -67,6 +73,10 @@ class NamespaceRegistry:
 
     def release(self, ns: Namespace) -> None:
         """Give back one reference taken by ``acquire``."""
+        with self._lock:
+            self._release(ns)
+
+    def _release(self, ns: Namespace) -> None:
         refs = self._refs.get(ns.id)
         if refs is None:
             return
@@ -78,12 +88,14 @@ class NamespaceRegistry:
 
     def find(self, ns_id: bytes) -> Namespace | None:
         """The registered namespace with this id, or None."""
-        return self._in_use.get(ns_id) or self._unused.get(ns_id)
+        with self._lock:
+            return self._in_use.get(ns_id) or self._unused.get(ns_id)
 
     def known(self) -> list[tuple[Namespace, bool]]:
         """Every registered namespace, with whether some connection declares it now."""
-        return [*((ns, True) for ns in self._in_use.values()),
-                *((ns, False) for ns in self._unused.values())]
+        with self._lock:
+            return [*((ns, True) for ns in self._in_use.values()),
+                    *((ns, False) for ns in self._unused.values())]
 
     def listing(self, tenants: frozenset[str] | None) -> list[dict[str, Any]]:
         """The registered namespaces as STATS shows them (all when ``tenants`` is None, else
@@ -93,5 +105,6 @@ class NamespaceRegistry:
                 for ns, in_use in self.known() if tenants is None or ns.tenant in tenants]
 
     def stats(self) -> dict[str, int]:
-        return {"namespaces": len(self), "namespaces_in_use": len(self._refs),
-                "namespaces_limit": self._limit, "namespaces_forgotten": self.forgotten}
+        with self._lock:
+            return {"namespaces": len(self), "namespaces_in_use": len(self._refs),
+                    "namespaces_limit": self._limit, "namespaces_forgotten": self.forgotten}

@@ -28,10 +28,10 @@ from kvpool.server.store import NodeStore, Refused, Session
 log = logging.getLogger("kvpool.serve")
 
 
-async def expire_due(pool: KVPool, executor: Executor) -> None:
+async def expire_due(pool: KVPool, executor: Executor | None = None) -> None:
     """Remove the chunks whose TTL passed from every tier (``KVPool.expire``, which may wait
-    on the SSD) on ``executor``; costs a length check while no save asked for retention. A
-    failure is logged; the expired chunks stay misses and the next round tries again."""
+    on the SSD) on ``executor`` (None: the loop's default executor); costs a length check
+    while no save asked for retention. A failure is logged; the expired chunks stay misses and the next round tries again."""
     if not len(pool.retention) and not pool.retention.any_expired:
         return
     try:
@@ -67,9 +67,10 @@ def retain(store: NodeStore, session: Session, meta: bytes | memoryview, count: 
     return len(scoped)
 
 
-async def release(store: NodeStore, session: Session, meta: bytes | memoryview) -> int:
+def release(store: NodeStore, session: Session, meta: bytes | memoryview) -> int:
     """RELEASE: end a session of the namespace's tenant (deleting its chunks with
-    ``delete``); the chunks released. Deletion may wait on the SSD: on a worker thread."""
+    ``delete``); the chunks released. Deletion may wait on the SSD: it runs on the
+    connection's own thread, like every op (server/connection.py)."""
     if len(meta) <= NS_BYTES:
         raise ProtocolError("RELEASE metadata must be a namespace id and a JSON object")
     ns = store._namespace_of(session, bytes(meta[:NS_BYTES]))
@@ -80,7 +81,6 @@ async def release(store: NodeStore, session: Session, meta: bytes | memoryview) 
             raise ValueError("session must be a non-empty string, delete a boolean")
     except (ValueError, KeyError, TypeError) as exc:
         raise Refused(Status.BAD_REQUEST, f"bad RELEASE: {exc}") from None
-    released: int = await store._off_loop(store.pool.release,
-                                          tenant_session(ns.tenant, name), delete)
+    released: int = store.pool.release(tenant_session(ns.tenant, name), delete)
     store.counters.add("released_chunks", released)
     return released

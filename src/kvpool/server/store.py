@@ -16,15 +16,10 @@ are held in the node's ledger (held.py: server.max_held_bytes, per tenant with a
 the answer is sent or the PUT committed; past its limits a GET is refused BUSY and a PUT
 keeps the chunks that fit (BUSY when none does).
 
-Nothing here that may block runs on the caller's event loop: lookups, existence probes,
-SSD reads, deletes, invalidations, STATS and durable commits run on ``executor``. Only
-in-memory work stays inline: declaring a namespace, TOUCH (the SSD index is skipped when its
-lock is busy, pool.touch), the ``*_now`` existence probes the transport asks for when one small
-probe is all the node has in flight (index lookups; no tier holds its lock across IO),
-pinning DRAM slots, and slot reservations that do not wait (an
-eviction they cause demotes to the write-behind queue, which copies and returns: it never
-waits for the SSD). A small non-durable commit publishes DRAM slots and stages copies the
-same way; one of server.offload_bytes or more runs on ``executor``.
+Every operation has one implementation and runs on the calling thread: the transport serves
+each connection on a thread of its own (connection.py), so lower-tier reads, waits for pinned
+slots and durable syncs block only the connection that asked. Nothing here runs on the node's
+event loop (it only accepts connections and runs timers).
 
 Failure contract: a request the node answers wrongly-but-safely (unknown namespace, forbidden
 tenant, too many bytes for one answer, a bad namespace declaration) raises :class:`Refused`
@@ -32,19 +27,17 @@ with the status to answer; ``close`` says whether the connection must end afterw
 whose payload size does not match its keys raises ProtocolError (the frame cannot be
 trusted). Anything else the pool raises propagates.
 
-Used from one event-loop thread, except the ``*_blocking`` calls (and what ``get`` and the
-PUT calls share with them), which run on the transport's lane threads and the workers (the
-counters, the tenants' included, take locks; the pool is thread-safe).
+Thread-safe: called from every connection's thread at once (the sessions, the registry,
+the ledger and the counters, the tenants' included, take locks; the pool is thread-safe).
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,12 +155,10 @@ def _unknown(ns_id: bytes) -> Refused:
 
 
 class NodeStore:
-    """The requests of one node against ``pool``. ``executor`` runs what may block (see the
-    module docstring); ``counters`` are the node's (the transport counts there too, and STATS
-    shows them)."""
+    """The requests of one node against ``pool``; ``counters`` are the node's (the transport
+    counts there too, and STATS shows them)."""
 
-    def __init__(self, pool: KVPool, cfg: ServerConfig, executor: Executor,
-                 node_id: str) -> None:
+    def __init__(self, pool: KVPool, cfg: ServerConfig, node_id: str) -> None:
         self.pool = pool
         self.cfg = cfg
         self.node_id = node_id
@@ -180,8 +171,8 @@ class NodeStore:
         self.drain_flag: Callable[[], bool] = lambda: False
         #: Where PUTs note their client keys for the node's repair (server/catalog.py).
         self.catalog: KeyCatalog | None = None
-        self._executor = executor
         self._sessions: set[Session] = set()
+        self._sessions_lock = threading.Lock()
         dram = pool.config.dram.capacity
         limit = derived_limit(cfg.max_held_bytes, dram)
         #: Bytes held for GET answers and PUT receives in progress, and their limits: shares
@@ -198,9 +189,6 @@ class NodeStore:
         chunks here; reads continue). STATS shows it as ``server.draining``."""
         return self.drain_flag()
 
-    async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
     def _count_tenant(self, ns: Namespace, **counts: int) -> None:
         """Add ``counts`` to the tenant of ``ns``: only with auth on (``ns.tenant`` splits
         a string, not worth doing per request when nothing reads the counts)."""
@@ -213,13 +201,15 @@ class NodeStore:
     def open_session(self, peer: str | None = None) -> Session:
         """A new connection (from ``peer``, host:port): authenticated at once when auth is off."""
         session = Session(None if self.auth.enabled else frozenset(), peer)
-        self._sessions.add(session)
+        with self._sessions_lock:
+            self._sessions.add(session)
         return session
 
     def close_session(self, session: Session) -> None:
         """The connection ended: give back its namespaces. Idempotent."""
         self._drop_namespaces(session)
-        self._sessions.discard(session)
+        with self._sessions_lock:
+            self._sessions.discard(session)
 
     def _drop_namespaces(self, session: Session) -> None:
         for ns in session.namespaces.values():
@@ -295,39 +285,20 @@ class NodeStore:
         return ns, scoped_chunk_keys(ns_id, keys)
 
     # ------------------------------------------------------------------ writes
-    async def begin_put(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
-                        payload_len: int) -> PutBatch:
+    def begin_put(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+                  payload_len: int) -> PutBatch:
         """Reserve room for a PUT of ``keys`` carrying ``payload_len`` bytes, within the
-        node's held-bytes limits (held.py): chunks past them are dropped as for lack of room.
-        Raises Refused (the transport must still read the payload away): UNKNOWN_NAMESPACE,
-        BUSY when no chunk fits; ProtocolError when the payload is not one chunk per key."""
-        ns, scoped = self._put_scope(session, ns_id, keys, payload_len)
-        room = self._put_room(ns, len(scoped))
-        # Slots are taken on the loop when that cannot block (the probes of what is stored
-        # are index lookups; the SSD engine's lock is never held across IO); only a batch
-        # that would wait for pinned slots goes to a worker thread.
-        try:
-            slots = self._reserve(ns, scoped, room, wait=False)
-            if slots is None:
-                slots = await self._off_loop(self._reserve, ns, scoped, room, True)
-        except BaseException:
-            self.held.give(ns.tenant, room * ns.chunk_bytes, put=True)
-            raise
-        assert slots is not None
-        return self._put_batch(ns, slots, room)
-
-    def begin_put_blocking(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
-                           payload_len: int) -> PutBatch:
-        """``begin_put`` on the calling thread, waiting for pinned slots if it must: for a
-        lane, never the event loop. Same errors as begin_put."""
+        node's held-bytes limits (held.py): chunks past them are dropped as for lack of room;
+        waits for pinned slots if it must (blocking only the caller's connection). Raises
+        Refused (the transport must still read the payload away): UNKNOWN_NAMESPACE, BUSY
+        when no chunk fits; ProtocolError when the payload is not one chunk per key."""
         ns, scoped = self._put_scope(session, ns_id, keys, payload_len)
         room = self._put_room(ns, len(scoped))
         try:
-            slots = self._reserve(ns, scoped, room, wait=True)
+            slots = self._reserve(ns, scoped, room)
         except BaseException:
             self.held.give(ns.tenant, room * ns.chunk_bytes, put=True)
             raise
-        assert slots is not None
         return self._put_batch(ns, slots, room)
 
     def _put_room(self, ns: Namespace, count: int) -> int:
@@ -363,12 +334,11 @@ class NodeStore:
             self.catalog.note(ns, keys, scoped)
         return ns, scoped
 
-    def _reserve(self, ns: Namespace, scoped: list[bytes], room: int,
-                 wait: bool) -> list[ChunkReservation | bool] | None:
+    def _reserve(self, ns: Namespace, scoped: list[bytes],
+                 room: int) -> list[ChunkReservation | bool]:
         """Slots for the chunks of ``scoped`` not stored yet, at most ``room`` of them (the
         rest: False, dropped, counted as held_dropped_chunks); True for a stored one, False
-        for one that found no slot (waiting for pinned ones with ``wait``). Without ``wait``,
-        None where a chunk would have waited (every slot taken is given back first)."""
+        for one that found no slot (after waiting for pinned ones)."""
         pool = self.pool
         slots: list[ChunkReservation | bool] = []
         reserved = start = 0
@@ -376,12 +346,7 @@ class NodeStore:
             # Chunks already stored take no slot: ask for as many as the room left, again
             # until it is used (one round when everything fits).
             part = scoped[start:start + room - reserved]
-            tried = pool.reserve_many(ns, part, wait=wait)
-            if not wait and any(s is None for s in tried):
-                for slot in [*slots, *tried]:
-                    if isinstance(slot, ChunkReservation):
-                        slot.abort()
-                return None
+            tried = pool.reserve_many(ns, part, wait=True)
             for slot in tried:
                 if isinstance(slot, ChunkReservation):
                     reserved += 1
@@ -394,22 +359,12 @@ class NodeStore:
             slots.extend([False] * (len(scoped) - start))
         return slots
 
-    async def commit_put(self, batch: PutBatch) -> int:
+    def commit_put(self, batch: PutBatch) -> int:
         """Publish a PUT whose targets are all filled. Returns how many chunks count as
-        stored (already-stored ones included); durable puts are written and synced first,
-        on a worker thread (an fdatasync must never stall the event loop), and so is a
-        non-durable put of at least server.offload_bytes (its copy into the SSD's
-        write-behind staging, up to max_frame_bytes, delays only this PUT); a smaller one
-        commits inline, where the copy costs less than the hop to a worker."""
-        received = sum(t is not None for t in batch.targets) * batch.ns.chunk_bytes
-        if self.pool.durable_puts or received >= self.cfg.offload_bytes:
-            result: int = await self._off_loop(self.commit_put_blocking, batch)
-            return result
-        return self.commit_put_blocking(batch)
-
-    def commit_put_blocking(self, batch: PutBatch) -> int:
-        """``commit_put`` on the calling thread, a durable put's write and sync included
-        (acknowledged = on the SSD and synced: one write and sync for the batch)."""
+        stored (already-stored ones included). A durable put is written and synced first
+        (acknowledged = on the SSD and synced: one write and sync for the batch); a
+        non-durable one copies into the SSD's write-behind staging. Either delays only the
+        caller's connection."""
         received = [s for s in batch._slots if not isinstance(s, bool)]
         stored = sum(s for s in batch._slots if isinstance(s, bool))
         try:
@@ -421,14 +376,12 @@ class NodeStore:
         self._count_tenant(ns, requests=1, put_chunks=stored, put_bytes=stored * ns.chunk_bytes)
         return stored
 
-    async def delete(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
+    def delete(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
         """DELETE: how many of ``keys`` some tier held (removed from every tier)."""
         ns, scoped = self._scoped(session, ns_id, keys)
-        result: int = await self._off_loop(lambda: sum(self.pool.delete(ns, k)
-                                                       for k in scoped))
-        return result
+        return sum(self.pool.delete(ns, k) for k in scoped)
 
-    async def invalidate(self, session: Session, ns_id: bytes) -> int:
+    def invalidate(self, session: Session, ns_id: bytes) -> int:
         """INVALIDATE: drop every chunk of a namespace; the copies dropped. It need not be
         declared here (``kvpool admin invalidate`` names an id): the admin token (or auth off)
         may drop any id, a tenant token its tenants' namespaces the registry knows; anything
@@ -440,66 +393,32 @@ class NodeStore:
                           "of this token's tenants' (the admin token may drop any id)")
         if ns is not None:
             self._count_tenant(ns, requests=1)
-        result: int = await self._off_loop(self.pool.invalidate, ns or ns_id)
-        return result
+        return self.pool.invalidate(ns or ns_id)
 
     # ------------------------------------------------------------------ reads
-    async def exists_prefix(self, session: Session, ns_id: bytes,
-                            keys: Sequence[bytes]) -> int:
-        """EXISTS_PREFIX: the length of the leading run of ``keys`` stored. The SSD probe
-        takes the engine lock: on a worker thread."""
-        ns, scoped = self._scoped(session, ns_id, keys)
-        result: int = await self._off_loop(self.pool.lookup, ns, scoped)
-        return result
-
-    async def exists(self, session: Session, ns_id: bytes,
-                     keys: Sequence[bytes]) -> list[bool]:
-        """EXISTS: one flag per key, probed on a worker thread (it takes the SSD lock)."""
-        ns, scoped = self._scoped(session, ns_id, keys)
-        result: list[bool] = await self._off_loop(self.pool.contains_many, ns, scoped)
-        return result
-
-    def exists_prefix_now(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
-        """``exists_prefix`` on the calling thread. For the transport's small probes while
-        nothing else is in flight (server.inline_exists_keys): index lookups under the tiers'
-        locks, which are never held across IO, cost less than the hop to a worker and back.
-        Same refusals as exists_prefix."""
+    def exists_prefix(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        """EXISTS_PREFIX: the length of the leading run of ``keys`` stored (index lookups
+        under the tiers' locks, which are never held across IO)."""
         ns, scoped = self._scoped(session, ns_id, keys)
         return self.pool.lookup(ns, scoped)
 
-    def exists_now(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
-        """``exists`` on the calling thread (see exists_prefix_now)."""
+    def exists(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
+        """EXISTS: one flag per key (see exists_prefix)."""
         ns, scoped = self._scoped(session, ns_id, keys)
         return self.pool.contains_many(ns, scoped)
 
     def touch(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
         """TOUCH: count ``keys`` as read; how many a tier holds. In-memory and never waits
-        (pool.touch), so done inline."""
+        (pool.touch)."""
         ns, scoped = self._scoped(session, ns_id, keys)
         return self.pool.touch(ns, scoped)
 
-    async def get(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
-                  touch: Sequence[bytes] = ()) -> GetAnswer:
-        """GET ``keys`` (touching ``touch`` first, as TOUCH does). Raises Refused(TOO_LARGE)
-        when the answer would exceed server.max_inflight_bytes. Chunks DRAM lacks are read
-        from the lower tiers on a worker thread, and so is the whole of a GET of more than
-        server.inline_exists_keys keys (scoping and pinning 65,536 keys would hold the loop
-        for tens of milliseconds)."""
-        if len(keys) > self.cfg.inline_exists_keys:
-            whole: GetAnswer = await self._off_loop(self.get_blocking, session, ns_id, keys,
-                                                    touch)
-            return whole
-        ns, scoped, pins = self._pin_for_get(session, ns_id, keys, touch)
-        if all(p is not None for p in pins):
-            return self._answer_get(ns, scoped, pins)
-        result: GetAnswer = await self._off_loop(self._answer_get, ns, scoped, pins)
-        return result
-
-    def get_blocking(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
-                     touch: Sequence[bytes] = ()) -> GetAnswer:
-        """``get`` wholly on the calling thread, lower-tier reads included: for a thread
-        that serves one connection (the transport's lanes), never the event loop. Same
-        refusals as get."""
+    def get(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
+            touch: Sequence[bytes] = ()) -> GetAnswer:
+        """GET ``keys`` (touching ``touch`` first, as TOUCH does): DRAM's chunks pinned, the
+        rest a lower tier holds read into per-request buffers (blocking IO on the caller's
+        thread). Raises Refused(TOO_LARGE) when the answer would exceed
+        server.max_inflight_bytes, Refused(BUSY) past the node's held-bytes limits."""
         return self._answer_get(*self._pin_for_get(session, ns_id, keys, touch))
 
     def _pin_for_get(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
@@ -566,12 +485,14 @@ class NodeStore:
 
     def _tenant_table(self, tenants: frozenset[str]) -> dict[str, dict[str, int]]:
         connections: dict[str, int] = {}
-        for session in self._sessions:
+        with self._sessions_lock:
+            sessions = list(self._sessions)
+        for session in sessions:
             for tenant in session.tenants or ():
                 connections[tenant] = connections.get(tenant, 0) + 1
         return self.tenant_counts.snapshot(tenants, connections)
 
-    async def stats(self, session: Session, transport: dict[str, Any]) -> dict[str, Any]:
+    def stats(self, session: Session, transport: dict[str, Any]) -> dict[str, Any]:
         """STATS as ``session`` may see them. With auth on, a tenant token gets the node's
         identity and its own tenants' counters and namespaces only; the admin token (and
         every connection when auth is off) gets the node's counters (``draining`` among
@@ -590,5 +511,4 @@ class NodeStore:
         out: dict[str, Any] = {"server": server, "namespaces": self.namespaces.listing(None)}
         if self.auth.enabled:
             out["tenants"] = self._tenant_table(self.auth.tenants)
-        tiers = await self._off_loop(self.pool.stats)
-        return {**out, **tiers}
+        return {**out, **self.pool.stats()}

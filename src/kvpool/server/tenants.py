@@ -17,7 +17,7 @@ COUNTERS = ("namespaces_declared", "requests", "put_chunks", "put_bytes", "get_h
 
 
 class TenantCounters:
-    """Counters per tenant. Thread-safe (the node's lanes count GETs off the event loop)."""
+    """Counters per tenant. Thread-safe (every connection's thread counts)."""
 
     def __init__(self, tenants: Iterable[str]) -> None:
         self._lock = threading.Lock()

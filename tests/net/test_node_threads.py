@@ -1,8 +1,8 @@
-"""Lanes: a connection that has moved a payload of server.offload_bytes or more is served by a
-thread of its own (server/lane.py). Every op still answers as on the event loop, lower-tier
-reads included; refusals keep the connection; idle and stalled peers are cut off by the
-sweeper; a bad frame closes that connection only; a node stops with lanes busy or idle; and
-server.lane_connections bounds them."""
+"""A thread per connection (server/connection.py): every op answers on the connection's
+thread, lower-tier reads included; refusals keep the connection; idle and stalled peers are
+cut off by the sweeper (which shuts the socket down under the thread's blocking call); a bad
+frame closes that connection only; a node stops with connections busy or idle; pipelined
+frames are each answered in order."""
 
 from __future__ import annotations
 
@@ -20,9 +20,14 @@ from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import HEADER_BYTES, Op, RemoteError, pack_keys
 
 MiB = 1 << 20
-CHUNK = MiB  # over the default offload_bytes (512 KiB)
-NS = byte_namespace(CHUNK, salt="lanes")
+CHUNK = MiB
+NS = byte_namespace(CHUNK, salt="threads")
 HANG_S = 60.0  # only a hang detector
+
+
+def alone(address: str) -> bool:
+    """Only the asking connection is open (every other one's thread has ended)."""
+    return bool(server_stats(address)["connections"] == 1)
 
 
 def server_stats(address: str) -> dict[str, Any]:
@@ -50,21 +55,20 @@ def check_get(conn: NodeConnection, keys: list[bytes]) -> None:
         assert np.array_equal(out, payload_for(key, CHUNK))
 
 
-def laned(address: str) -> tuple[NodeConnection, list[bytes]]:
-    """A connection that has been handed to a lane (its first PUT moved 2 MiB)."""
+def connected(address: str) -> tuple[NodeConnection, list[bytes]]:
+    """A connection that has stored two chunks and read them back."""
     conn = NodeConnection(address)
     keys = put(conn, 2)
     check_get(conn, keys)
     return conn, keys
 
 
-def test_every_op_on_a_lane_answers_as_on_the_loop(tmp_path: Path) -> None:
+def test_every_op_answers_on_the_connection_thread(tmp_path: Path) -> None:
     with NodeProcess(tmp_path, dram={"capacity": "16MiB", "slab_size": "4MiB"},
                      ssd={"capacity": "256MiB", "segment_size": "8MiB"},
                      server={"max_inflight_bytes": "8MiB"}) as node:
-        conn, first = laned(node.address)
-        stats = conn.stats()["server"]  # STATS itself goes through the event loop
-        assert stats["lanes_started"] == 1 and stats["lanes"] == 1
+        conn, first = connected(node.address)
+        assert conn.stats()["server"]["connections"] == 1
         keys = first + put(conn, 38)  # 40 MiB: most of it only on the SSD now
         for i in range(0, len(keys), 8):  # 8 chunks per GET, the first ones read from SSD
             check_get(conn, keys[i:i + 8])
@@ -75,13 +79,13 @@ def test_every_op_on_a_lane_answers_as_on_the_loop(tmp_path: Path) -> None:
         assert conn.exists(NS, [keys[0], absent]) == [True, False]
         assert conn.exists_prefix(NS, [keys[0], keys[1], absent]) == 2
         assert conn.touch(NS, [keys[2], absent]) == 1
-        with pytest.raises(RemoteError, match="max_inflight_bytes"):  # refused on the lane
+        with pytest.raises(RemoteError, match="max_inflight_bytes"):
             conn.get_into(NS, keys[:9], [np.zeros(CHUNK, np.uint8) for _ in range(9)])
-        other = byte_namespace(CHUNK, salt="lanes-undeclared")
+        other = byte_namespace(CHUNK, salt="threads-undeclared")
         with pytest.raises(RemoteError, match="not declared"):
             conn._request(Op.GET, 1, pack_keys(other.id, [keys[0]]))
             conn._answer(Op.GET, conn._req_id)
-        with pytest.raises(RemoteError, match="not declared"):  # a probe, on the lane too
+        with pytest.raises(RemoteError, match="not declared"):  # a probe
             conn._request(Op.EXISTS, 1, pack_keys(other.id, [keys[0]]))
             conn._answer(Op.EXISTS, conn._req_id)
         with pytest.raises(RemoteError, match="not declared"):  # its payload is read away
@@ -91,17 +95,16 @@ def test_every_op_on_a_lane_answers_as_on_the_loop(tmp_path: Path) -> None:
         assert conn.get_into(NS, [keys[3]], outs[:1]) == [False]
         check_get(conn, keys[4:6])  # the connection survived every refusal
         stats = conn.stats()["server"]
-        assert stats["lanes_started"] == 1 and stats["refused_too_large"] == 1
-        assert stats["refused_unknown_namespace"] == 3
+        assert stats["refused_too_large"] == 1 and stats["refused_unknown_namespace"] == 3
         conn.close()
-        wait_for(lambda: server_stats(node.address)["lanes"] == 0, HANG_S, "the lane to end")
+        wait_for(lambda: alone(node.address), HANG_S, "the connection's thread to end")
 
 
-def test_an_idle_lane_is_cut_off_and_a_bad_frame_closes_only_its_connection(
+def test_an_idle_connection_is_cut_off_and_a_bad_frame_closes_only_its_connection(
         tmp_path: Path) -> None:
     with NodeProcess(tmp_path, server={"idle_timeout_s": 1.0}) as node:
-        idle, _ = laned(node.address)
-        bad, _ = laned(node.address)
+        idle, _ = connected(node.address)
+        bad, _ = connected(node.address)
         bad.sock.sendall(b"\xff" * HEADER_BYTES)  # not a frame
         assert bad.sock.recv(16) == b""  # closed by the node
         wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, HANG_S,
@@ -109,9 +112,9 @@ def test_an_idle_lane_is_cut_off_and_a_bad_frame_closes_only_its_connection(
         with pytest.raises((ConnectionError, OSError)):
             idle.ping()
         stats = server_stats(node.address)
-        assert stats["protocol_errors"] == 1 and stats["lanes_started"] == 2
-        wait_for(lambda: server_stats(node.address)["lanes"] == 0, HANG_S, "both lanes to end")
-        conn, keys = laned(node.address)  # the node serves new lanes
+        assert stats["protocol_errors"] == 1
+        wait_for(lambda: alone(node.address), HANG_S, "both threads to end")
+        conn, keys = connected(node.address)  # the node serves new connections
         check_get(conn, keys)
         conn.close()
         idle.close()
@@ -119,30 +122,30 @@ def test_an_idle_lane_is_cut_off_and_a_bad_frame_closes_only_its_connection(
 
 
 def stall(conn: NodeConnection, keys: list[bytes]) -> None:
-    """Ask for more than the socket buffers hold and read none of it: the lane blocks in
-    its send."""
+    """Ask for more than the socket buffers hold and read none of it: the connection's
+    thread blocks in its send."""
     conn._request(Op.GET, len(keys), pack_keys(NS.id, keys))
 
 
-def test_a_peer_that_stops_reading_a_lane_answer_is_cut_off(tmp_path: Path) -> None:
+def test_a_peer_that_stops_reading_an_answer_is_cut_off(tmp_path: Path) -> None:
     with NodeProcess(tmp_path, server={"idle_timeout_s": 1.0}) as node:
-        conn, _ = laned(node.address)
+        conn, _ = connected(node.address)
         keys = put(conn, 40)
         stall(conn, keys)
         wait_for(lambda: server_stats(node.address).get("idle_closed", 0) >= 1, HANG_S,
                  "the stall cut-off")
-        wait_for(lambda: server_stats(node.address)["lanes"] == 0, HANG_S, "the lane to end")
-        fresh, _ = laned(node.address)
+        wait_for(lambda: alone(node.address), HANG_S, "the thread to end")
+        fresh, _ = connected(node.address)
         check_get(fresh, keys[:4])
         fresh.close()
         conn.close()
 
 
-def test_a_node_stops_with_lanes_idle_and_stalled(tmp_path: Path) -> None:
+def test_a_node_stops_with_connections_idle_and_stalled(tmp_path: Path) -> None:
     node = NodeProcess(tmp_path, server={"shutdown_timeout_s": 1.0}).start()
     try:
-        idle, _ = laned(node.address)
-        stalled, _ = laned(node.address)
+        idle, _ = connected(node.address)
+        stalled, _ = connected(node.address)
         stall(stalled, put(stalled, 40))
         assert node.terminate(HANG_S) == 0
         with pytest.raises((ConnectionError, OSError)):
@@ -153,41 +156,25 @@ def test_a_node_stops_with_lanes_idle_and_stalled(tmp_path: Path) -> None:
         node.stop()
 
 
-@pytest.mark.parametrize("lanes", [0, 1])
-def test_lane_connections_bounds_the_lanes(tmp_path: Path, lanes: int) -> None:
-    with NodeProcess(tmp_path, server={"lane_connections": lanes}) as node:
-        conns = [laned(node.address) for _ in range(2)]
-        for conn, keys in conns:  # on a lane or on the loop, the same answers
-            check_get(conn, keys)
-            assert conn.exists(NS, keys) == [True, True]
-        stats = server_stats(node.address)
-        assert stats.get("lanes_started", 0) == lanes and stats["lanes"] == lanes
-        for conn, _ in conns:
-            conn.close()
-
-
-def test_a_lane_socket_is_blocking_only_while_the_lane_owns_it(tmp_path: Path) -> None:
-    """Requests the lane hands to the event loop (NAMESPACE, TOUCH) interleave with the
-    PUTs, GETs and probes it serves itself on one connection."""
+def test_every_kind_of_request_interleaves_on_one_connection(tmp_path: Path) -> None:
+    """NAMESPACE and TOUCH between the PUTs, GETs and probes of one connection."""
     with NodeProcess(tmp_path) as node:
-        conn, keys = laned(node.address)
+        conn, keys = connected(node.address)
         for i in range(20):
             keys += put(conn, 1)
             check_get(conn, keys[-2:])
-            conn.declared.clear()  # declare again: NAMESPACE on the loop between GETs
+            conn.declared.clear()  # declare again: NAMESPACE between GETs
             assert conn.exists(NS, keys[i:i + 2]) == [True, True]
-            assert conn.touch(NS, keys[i:i + 2]) == 2  # on the loop
-        assert server_stats(node.address)["lanes_started"] == 1
+            assert conn.touch(NS, keys[i:i + 2]) == 2
         conn.close()
 
 
-def test_acknowledged_lane_puts_survive_kill_9_of_a_durable_node(tmp_path: Path) -> None:
-    """A durable PUT on a lane is written and synced before its answer, as on the loop."""
+def test_acknowledged_puts_survive_kill_9_of_a_durable_node(tmp_path: Path) -> None:
+    """A durable PUT is written and synced on the connection's thread before its answer."""
     node = NodeProcess(tmp_path, ssd={"durability": "durable", "capacity": "128MiB"}).start()
     try:
-        conn, acked = laned(node.address)
+        conn, acked = connected(node.address)
         acked += put(conn, 20)
-        assert conn.stats()["server"]["lanes_started"] == 1
         node.kill9()  # right after the last answer
         conn.close()
         node.start()
@@ -207,15 +194,15 @@ def _read_answer(conn: NodeConnection) -> tuple[Any, bytes, bytes]:
     return head, recv_exact(conn.sock, head.meta_len), recv_exact(conn.sock, head.payload_len)
 
 
-def test_pipelined_frames_on_a_lane_are_each_answered_in_order(tmp_path: Path) -> None:
-    """A lane receives a request's header, keys and the start of its payload in one receive:
-    whatever came with them (the next requests, sent before any answer) is kept for the next
-    read, also across an op the event loop answers (PING), and a PUT's payload is whole."""
+def test_pipelined_frames_are_each_answered_in_order(tmp_path: Path) -> None:
+    """A connection receives a request's header, keys and the start of its payload in one
+    receive: whatever came with them (the next requests, sent before any answer) is kept for
+    the next read, and a PUT's payload is whole."""
     from kvpool.net.protocol import Header
 
     with NodeProcess(tmp_path, dram={"capacity": "16MiB", "slab_size": "4MiB"},
                      ssd={"enabled": False}) as node:
-        conn, first = laned(node.address)
+        conn, first = connected(node.address)
         key = os.urandom(16)
         frames = [Header(Op.PUT, 901, 1, 32, CHUNK).pack() + pack_keys(NS.id, [key])
                   + payload_for(key, CHUNK).tobytes(),
@@ -232,5 +219,4 @@ def test_pipelined_frames_on_a_lane_are_each_answered_in_order(tmp_path: Path) -
                                                    + payload_for(first[0], CHUNK).tobytes())
         assert answers[3][1] == b"\x01\x01"
         check_get(conn, [key, *first])  # the connection is still in step
-        assert server_stats(node.address)["lanes_started"] == 1
         conn.close()
