@@ -31,7 +31,8 @@ log = logging.getLogger("kvpool.serve")
 async def expire_due(pool: KVPool, executor: Executor | None = None) -> None:
     """Remove the chunks whose TTL passed from every tier (``KVPool.expire``, which may wait
     on the SSD) on ``executor`` (None: the loop's default executor); costs a length check
-    while no save asked for retention. A failure is logged; the expired chunks stay misses and the next round tries again."""
+    while no save asked for retention. A failure is logged; the expired chunks stay misses
+    and the next round tries again."""
     if not len(pool.retention) and not pool.retention.any_expired:
         return
     try:
