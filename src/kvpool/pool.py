@@ -21,6 +21,7 @@ sequence of keys, a namespace or config of the wrong type), ValueError (a malfor
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -40,9 +41,21 @@ from kvpool.metrics.http import MetricsServer
 from kvpool.metrics.pool_collector import PoolCollector
 from kvpool.metrics.recorder import OpLatency
 from kvpool.mover import Mover
+from kvpool.saves import (
+    Fill,
+    LoadHandle,
+    SaveBatch,
+    SavePipeline,
+    SaveTicket,
+    Scatter,
+    _Deferred,
+    stats_of,
+)
 from kvpool.tiers.base import leading_run, read_tiers
 from kvpool.tiers.slots import PinnedView, SlotReservation
 from kvpool.tiers.stack import build_tiers
+
+log = logging.getLogger("kvpool.pool")
 
 
 class ChunkReservation:
@@ -128,6 +141,10 @@ class KVPool:
                                 self.config.pool.background_nice)
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
+        self._saves = SavePipeline(self.commit_many, self._run_deferred,
+                                   self.config.pool.save_budget_bytes,
+                                   self.config.pool.save_commit_wait_s,
+                                   self.config.pool.background_nice)
         port = self.config.metrics.port
         if serve_metrics and port is not None:
             try:
@@ -289,10 +306,16 @@ class KVPool:
         """``reserve`` per key; the tiers are asked once for the batch whether they hold
         the chunks already."""
         self._registered(ns, keys)
+        return self._reserve_many(ns, keys, wait, saving=True)
+
+    def _reserve_many(self, ns: Namespace, keys: Sequence[bytes], wait: bool,
+                      saving: bool) -> list[ChunkReservation | bool | None]:
+        """``reserve_many`` after the checks; ``saving``: a chunk on its way to a commit
+        counts as stored (a deferred save's own chunks must not)."""
         ack = self._stack.ack
         # Durable: stored means synced, whatever DRAM holds.
         stored = ack.contains_many(keys, ns.id) if ack is not None \
-            else self._held_locally(ns.id, keys, stop_at_miss=False)
+            else self._held_locally(ns.id, keys, stop_at_miss=False, saving=saving)
         return [True if held else self._reserve_slot(ns, key, wait)
                 for key, held in zip(keys, stored, strict=True)]
 
@@ -315,6 +338,138 @@ class KVPool:
         return self._store([(r.key, r.ns, r.view, r.slot)
                             for r in reservations if r.take()])
 
+    # ------------------------------------------------------------------ save / load
+    def begin_save(self, ns: Namespace, keys: Sequence[bytes]) -> SaveBatch:
+        """Reserve DRAM slots for saving ``keys`` (a prefix, in order) without waiting: the
+        caller fills ``batch.views[i]`` in place (in one pass or layer by layer), then
+        ``batch.commit()`` (background; returns a SaveTicket) or ``batch.abort()``. A view is
+        None for a chunk already stored or on its way (``batch.present`` counts them) and for
+        one dropped: over ``pool.save_budget_bytes`` (the save's tail) or with no free slot,
+        counted in ``stats()["saves"]``. Without a DRAM tier the slots are scratch buffers.
+        Same checks as ``put``."""
+        self._registered(ns, keys)
+        keys = list(keys)
+        saves = self._saves
+        room = saves.book(ns, len(keys))
+        found = self._reserve_many(ns, keys[:room], False, saving=True) if room else []
+        reservations: list[ChunkReservation | None] = []
+        present = no_slot = 0
+        for slot in found:
+            if isinstance(slot, ChunkReservation):
+                reservations.append(slot)
+                continue
+            reservations.append(None)
+            present += slot is True
+            no_slot += slot is not True
+        saves.unbook(ns, room - sum(r is not None for r in reservations))
+        reservations.extend([None] * (len(keys) - room))
+        saves.counters.add_many({"saves": 1, "save_chunks": len(keys), "save_present": present,
+                                 "save_dropped_no_slot": no_slot,
+                                 "save_dropped_budget": len(keys) - room})
+        return SaveBatch(saves, ns, keys, reservations, present)
+
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
+             defer: bool = False) -> SaveTicket:
+        """Save chunks whose payloads the caller writes straight into their DRAM slots:
+        ``fill(i, view)`` for each chunk ``keys[i]`` that needs storing (never for one already
+        stored or dropped, see ``begin_save``). The commit runs in the background; the saved
+        chunks count for ``lookup`` / ``contains`` as soon as this returns and a read of them
+        waits for the commit (``pool.save_commit_wait_s``). Returns a ticket (``wait()``,
+        then ``stored``).
+
+        ``defer=True``: reserving and filling run on the pool's save thread too (at
+        ``pool.background_nice``), so this returns at once; ``fill`` must read memory that
+        stays valid until the ticket is done. An exception from ``fill`` aborts this save's
+        slots (counted as ``save_dropped_fill``); inline it is re-raised, deferred it is
+        logged. Same checks as ``put``."""
+        if not defer:
+            batch = self.begin_save(ns, keys)
+            try:
+                for i, view in enumerate(batch.views):
+                    if view is not None:
+                        fill(i, view)
+            except BaseException:
+                batch.abort("save_dropped_fill")
+                raise
+            return batch.commit()
+        self._registered(ns, keys)
+        ticket = SaveTicket(keys, 0)
+        self._saves.defer(_Deferred(ns, list(keys), fill, ticket))
+        return ticket
+
+    def _run_deferred(self, job: _Deferred) -> int:
+        """A deferred save, on the save thread: reserve (its own chunks are on their way,
+        so they must not count as stored), fill, commit. Returns how many are stored."""
+        saves = self._saves
+        if self._closed:
+            saves.counters.add_many({"saves": 1, "save_chunks": len(job.keys),
+                                     "save_dropped_aborted": len(job.keys)})
+            return 0
+        ns, keys = job.ns, job.keys
+        room = saves.book(ns, len(keys))
+        found = self._reserve_many(ns, keys[:room], False, saving=False) if room else []
+        taken = [(i, r) for i, r in enumerate(found) if isinstance(r, ChunkReservation)]
+        present = sum(r is True for r in found)
+        saves.unbook(ns, room - len(taken))
+        saves.counters.add_many({"saves": 1, "save_chunks": len(keys), "save_present": present,
+                                 "save_dropped_no_slot": len(found) - present - len(taken),
+                                 "save_dropped_budget": len(keys) - room})
+        job.ticket.present = present
+        try:
+            for i, r in taken:
+                job.fill(i, r.view)
+        except Exception:
+            log.exception("kvpool: filling a deferred save failed; dropped")
+            for _, r in taken:
+                r.abort()
+            saves.unbook(ns, len(taken))
+            saves.counters.add("save_dropped_fill", len(taken))
+            return 0
+        return saves.commit_now(ns, [r for _, r in taken]) if taken else 0
+
+    def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle:
+        """Make ``keys`` readable in place: wait for the commits of those being saved
+        (``pool.save_commit_wait_s``), pin the DRAM-resident ones, read the ones only slower
+        tiers hold straight into free DRAM slots and pin them (that read is their promotion),
+        and read what finds no slot into the pool's staging buffers. ``handle.sources[i]``
+        is chunk i's payload (None: a miss, or a chunk that failed its checksum), and
+        ``handle.loaded`` how many leading chunks are there. Release the handle. Same checks
+        as ``get_many_into``; a tier fault is a miss."""
+        self._registered(ns, keys)
+        keys = list(keys)
+        self._saves.wait_committed(ns.id, keys)
+        pins = self._pin(ns, keys, True) if self._front is not None else [None] * len(keys)
+        sources: list[memoryview | None] = [p.data if p is not None else None for p in pins]
+        rest = [i for i, p in enumerate(pins) if p is None]
+        bufs = []
+        give = self._saves.buffers(ns.chunk_bytes).give
+        if rest:
+            pool_bufs = self._saves.buffers(ns.chunk_bytes)
+            bufs = [pool_bufs.take() for _ in rest]
+            try:
+                got = self._read_into(ns, [keys[i] for i in rest],
+                                      [byte_view(b, writable=True) for b in bufs])
+            except BaseException:
+                LoadHandle(sources, pins, bufs, give).release()
+                raise
+            for i, buf, hit in zip(rest, bufs, got, strict=True):
+                if hit:
+                    sources[i] = byte_view(buf).toreadonly()
+        return LoadHandle(sources, pins, bufs, give)
+
+    def load(self, ns: Namespace, keys: Sequence[bytes], scatter: Scatter) -> int:
+        """Deliver the longest leading run of ``keys`` the pool can: ``scatter(i, view)`` for
+        each chunk ``keys[i]`` of the run, in order, from a read-only view of its payload
+        valid only during the call (see ``open_load`` for where it comes from). Returns the
+        run's length: the engine recomputes from ``keys[returned]``. An exception from
+        ``scatter`` releases everything and is re-raised."""
+        with self.open_load(ns, keys) as handle:
+            for i in range(handle.loaded):
+                view = handle.sources[i]
+                assert view is not None
+                scatter(i, view)
+            return handle.loaded
+
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
         """Copy a chunk's payload into ``out`` (exactly ns.chunk_bytes, writable). False on a
@@ -333,6 +488,12 @@ class KVPool:
         views = [byte_view(o, writable=True) for o in outs]
         for view in views:
             check_size(ns, view, "output buffer")
+        self._saves.wait_committed(ns.id, keys)
+        return self._read_into(ns, keys, views)
+
+    def _read_into(self, ns: Namespace, keys: Sequence[bytes],
+                   views: Sequence[memoryview]) -> list[bool]:
+        """``get_many_into`` after its checks and its wait for commits."""
         started = perf_counter()
         timings: list[float] | None = [] if self._latency is not None else None
         counts: dict[str, int] = {}
@@ -384,6 +545,13 @@ class KVPool:
         self._registered(ns, keys)
         if self._front is None:
             return [None] * len(keys)
+        self._saves.wait_committed(ns.id, keys)
+        return self._pin(ns, keys, fetch)
+
+    def _pin(self, ns: Namespace, keys: Sequence[bytes],
+             fetch: bool) -> list[PinnedView | None]:
+        """``pin_many`` after its checks and its wait for commits (DRAM present)."""
+        assert self._front is not None
         started = perf_counter()
         views = [self._front.view(key, ns.id, count_miss=False) for key in keys]
         pinned_s = perf_counter() - started
@@ -404,15 +572,24 @@ class KVPool:
         return views
 
     def _held_locally(self, ns_id: bytes, keys: Sequence[bytes],
-                      stop_at_miss: bool) -> list[bool]:
+                      stop_at_miss: bool, saving: bool = True) -> list[bool]:
         """Per key: does a tier know, in this process, that it holds it? Each tier is asked
         once for the keys the faster ones lack. ``stop_at_miss``: only the leading run
-        matters (a lookup), so the answer is cut at the first key no tier holds."""
+        matters (a lookup), so the answer is cut at the first key no tier holds.
+        ``saving``: a chunk on its way to a commit (``save``) counts as held
+        (read-your-writes)."""
         if not self._tiers:
             return [] if stop_at_miss else [False] * len(keys)
         first, *slower = self._tiers
         held = list(first.contains_many(keys, ns_id))  # the common probe: one tier has all
-        todo = [i for i, flag in enumerate(held) if not flag] if slower else []
+        todo = [i for i, flag in enumerate(held) if not flag]
+        if todo and saving:
+            flags = self._saves.saving(ns_id, [keys[i] for i in todo])
+            for i, flag in zip(todo, flags, strict=True):
+                held[i] = flag
+            todo = [i for i, flag in zip(todo, flags, strict=True) if not flag]
+        if not slower:
+            todo = []
         for tier in slower:
             if not todo:
                 break
@@ -533,8 +710,9 @@ class KVPool:
         """Wait for background moves up (promotions, prefetches) and the write-behind queues
         (SSD, cluster) to drain; False on timeout."""
         self._check_open()
+        saved = self._saves.flush(timeout)
         ok = self._mover.wait_idle(timeout) if self._mover is not None else True
-        return all([tier.flush(timeout) for tier in self._tiers]) and ok
+        return all([tier.flush(timeout) for tier in self._tiers]) and ok and saved
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier: hits, misses, evictions, checksum failures, dropped saves..."""
@@ -544,6 +722,7 @@ class KVPool:
             out["pool"].update(self._stack.demoter.demoted.snapshot())
         if self._mover is not None:
             out["pool"]["mover_pending"] = self._mover.pending()
+        out["saves"] = stats_of(self._saves)
         for tier in self._tiers:
             *path, leaf = tier.stats_key
             node = out
@@ -557,6 +736,9 @@ class KVPool:
         Idempotent."""
         if self._closed:
             return
+        saves = getattr(self, "_saves", None)  # None: the constructor failed before it
+        if saves is not None:
+            saves.close()  # commits what was handed over, while the tiers are open
         self._closed = True
         if self._metrics_server is not None:
             self._metrics_server.close()
