@@ -438,7 +438,8 @@ class KVPool:
         self._registered(ns, keys)
         keys = list(keys)
         self._saves.wait_committed(ns.id, keys)
-        pins = self._pin(ns, keys, True) if self._front is not None else [None] * len(keys)
+        pins: list[PinnedView | None] = self._pin(ns, keys, True) \
+            if self._front is not None else [None] * len(keys)
         sources: list[memoryview | None] = [p.data if p is not None else None for p in pins]
         rest = [i for i, p in enumerate(pins) if p is None]
         bufs = []
