@@ -66,7 +66,8 @@ class SaveTicket:
         self.stored = 0
         self._done = threading.Event()
 
-    def _finish(self, stored: int) -> None:
+    def finish(self, stored: int) -> None:
+        """Set the outcome (the pool calls it once the commit ran)."""
         self.stored = stored
         self._done.set()
 
@@ -106,7 +107,7 @@ class SaveBatch:
         ticket = SaveTicket(self.keys, self.present)
         taken = [r for r in reservations or [] if r is not None]
         if not taken:
-            ticket._finish(0)
+            ticket.finish(0)
             return ticket
         self._pipeline.hand_over(self.ns, taken, ticket)
         return ticket
@@ -271,7 +272,7 @@ class SavePipeline:
                 r.abort()
             self.unbook(ns, len(reservations))
             self.counters.add("save_dropped_aborted", len(reservations))
-            ticket._finish(0)
+            ticket.finish(0)
             return
         self._mark(ns.id, [r.key for r in reservations])
         self._start()
@@ -281,7 +282,7 @@ class SavePipeline:
         if self._closed:
             self.counters.add_many({"saves": 1, "save_chunks": len(job.keys),
                                     "save_dropped_aborted": len(job.keys)})
-            job.ticket._finish(0)
+            job.ticket.finish(0)
             return
         self._mark(job.ns.id, job.keys)
         self._start()
@@ -305,12 +306,12 @@ class SavePipeline:
                     stored = 0
                 finally:
                     self._unmark(job.ns.id, job.keys)
-                job.ticket._finish(stored)
+                job.ticket.finish(stored)
 
     def _run_commit(self, job: _Commit) -> None:
         stored = self.commit_now(job.ns, job.reservations)
         self._unmark(job.ns.id, [r.key for r in job.reservations])
-        job.ticket._finish(stored)
+        job.ticket.finish(stored)
 
     def commit_now(self, ns: Namespace, reservations: list[ChunkReservation]) -> int:
         """Commit booked, filled reservations in this thread; every fault is a counted drop.
