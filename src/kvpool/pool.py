@@ -52,8 +52,10 @@ from kvpool.saves import (
     stats_of,
 )
 from kvpool.tiers.base import leading_run, read_tiers
+from kvpool.tiers.dram import DramTier
 from kvpool.tiers.slots import PinnedView, SlotReservation
 from kvpool.tiers.stack import build_tiers
+from kvpool.tiers.staging import WriteBehind
 
 log = logging.getLogger("kvpool.pool")
 
@@ -253,10 +255,18 @@ class KVPool:
         first (for durable puts the SSD, written and synced), then DRAM (a filled slot is
         published, otherwise a copy is put, marked as held below so its eviction is no
         demotion). Returns how many count as stored: durable = on the acknowledging tier;
-        else held by any tier."""
+        else held by any tier.
+
+        With a queue that takes pinned slots (``WriteBehind.offer_pinned``: the SSD's, in
+        cache mode with ``ssd_write: through``) DRAM goes first instead, and that queue gets
+        each chunk's DRAM slot, pinned, rather than a copy of it."""
         latency = self._latency
         started = perf_counter()
         timings: list[tuple[int, float]] = []
+        front = self._front
+        if front is not None and self._stack.ack is None and any(
+                isinstance(t, WriteBehind) and t.max_pinned for _, t in self._through):
+            return self._store_dram_first(front, items, started, timings)
         lower = [(k, ns, v) for k, ns, v, _ in items]
         on_lower = [False] * len(items)
         acked = on_lower
@@ -268,7 +278,6 @@ class KVPool:
             if tier is self._stack.ack:
                 acked = flags
             on_lower = [a or b for a, b in zip(on_lower, flags, strict=True)]
-        front = self._front
         held = list(on_lower)
         front_started = perf_counter()
         for i, (key, ns, view, slot) in enumerate(items):
@@ -288,6 +297,52 @@ class KVPool:
                 timings.append((0, now - front_started))
             latency.record_at("put", now - started, timings)
         return sum(acked if self.durable_puts else held)
+
+    def _store_dram_first(self, front: DramTier,
+                          items: Sequence[tuple[bytes, Namespace, memoryview,
+                                                SlotReservation | None]],
+                          started: float, timings: list[tuple[int, float]]) -> int:
+        """``_store`` of a cache-mode pool whose write-through queue takes pinned slots:
+        publish in DRAM, then hand each queue the chunk's slot, pinned (a chunk DRAM did not
+        take, or one over the queue's pinned budget, is offered as a copy), then mark what a
+        queue took as held below. Counts as ``_store``."""
+        latency = self._latency
+        front_started = perf_counter()
+        held = [slot.commit() if slot is not None else front.put(key, ns, view)
+                for key, ns, view, slot in items]
+        front.note_put_batch([key for key, _, _, _ in items])
+        if latency is not None:
+            timings.append((0, perf_counter() - front_started))
+        on_lower = [False] * len(items)
+        for index, tier in self._through:
+            tier_started = perf_counter()
+            for i, (key, ns, view, slot) in enumerate(items):
+                found = front.view_to_copy(key) if held[i] else None  # no read counted
+                pin = found[2] if found is not None else None
+                if pin is not None and found is not None and found[0].id != ns.id:
+                    pin.release()  # the key is another namespace's chunk
+                    pin = None
+                took = None
+                if pin is not None and isinstance(tier, WriteBehind):
+                    took = tier.offer_pinned(key, ns, pin)
+                elif pin is not None:
+                    try:
+                        took = tier.put_many([(key, ns, pin.data)])[0]
+                    finally:
+                        pin.release()
+                if took is None:  # no pin taken: offer a copy (a released slot's view is
+                    source = view if slot is None else None  # gone: then DRAM lost it)
+                    took = tier.put_many([(key, ns, source)])[0] if source is not None \
+                        else False
+                on_lower[i] = on_lower[i] or took
+            if latency is not None:
+                timings.append((index, perf_counter() - tier_started))
+        for i, (key, _, _, _) in enumerate(items):
+            if on_lower[i]:
+                front.mark_on_lower(key)
+        if latency is not None:
+            latency.record_at("put", perf_counter() - started, timings)
+        return sum(a or b for a, b in zip(held, on_lower, strict=True))
 
     def reserve(self, ns: Namespace, key: bytes,
                 wait: bool = True) -> ChunkReservation | bool | None:
