@@ -174,3 +174,25 @@ def test_flush_and_close_commit_what_was_handed_over(tmp_path: Path) -> None:
     with KVPool(cfg) as pool:  # written through to the SSD
         pool.register_namespace(ns)
         assert loaded(pool, ns, [*keys, k(7)])[0] == 5
+
+
+def test_write_through_saves_go_to_the_ssd_from_their_dram_slots(tmp_path: Path) -> None:
+    """Cache mode, ssd_write: through: the SSD's queue takes the DRAM slots pinned (no
+    staging copy) up to a quarter of DRAM (4 chunks here), copies beyond it; every chunk
+    reaches the SSD either way and no pin outlives the write."""
+    ns = byte_namespace()
+    keys = [k(i) for i in range(10)]
+    cfg = small_config(tmp_path)
+    with KVPool(cfg) as pool:
+        pool.register_namespace(ns)
+        assert pool.save(ns, keys[:3], filler(keys[:3])).wait(10)
+        assert pool.flush(10)
+        wb = pool.stats()["write_behind"]
+        assert (wb["offered_pinned"], wb["staging_bytes"], wb["pinned_bytes"]) == (3, 0, 0)
+        assert pool.save(ns, keys[3:], filler(keys[3:])).wait(10)
+        assert pool.flush(10)
+        wb = pool.stats()["write_behind"]
+        assert wb["written"] == 10 and wb["pinned_bytes"] == 0 and wb["dropped"] == 0
+    with KVPool(small_config(tmp_path, dram={"capacity": 0})) as pool:  # the SSD alone
+        pool.register_namespace(ns)
+        assert loaded(pool, ns, keys)[0] == 10

@@ -322,18 +322,15 @@ class KVPool:
                 if pin is not None and found is not None and found[0].id != ns.id:
                     pin.release()  # the key is another namespace's chunk
                     pin = None
-                took = None
-                if pin is not None and isinstance(tier, WriteBehind):
-                    took = tier.offer_pinned(key, ns, pin)
-                elif pin is not None:
+                took = tier.offer_pinned(key, ns, pin) \
+                    if pin is not None and isinstance(tier, WriteBehind) else None
+                if took is None and pin is not None:  # not taken pinned: a copy of the slot
                     try:
                         took = tier.put_many([(key, ns, pin.data)])[0]
                     finally:
                         pin.release()
-                if took is None:  # no pin taken: offer a copy (a released slot's view is
-                    source = view if slot is None else None  # gone: then DRAM lost it)
-                    took = tier.put_many([(key, ns, source)])[0] if source is not None \
-                        else False
+                elif took is None:  # DRAM did not keep it: a copy of the caller's bytes
+                    took = tier.put_many([(key, ns, view)])[0] if slot is None else False
                 on_lower[i] = on_lower[i] or took
             if latency is not None:
                 timings.append((index, perf_counter() - tier_started))

@@ -127,9 +127,10 @@ class WriteBehind:
     def offer_pinned(self, key: bytes, ns: Namespace, pin: PinnedView) -> bool | None:
         """Queue the DRAM slot ``pin`` holds for the sink, without a copy: the queue owns the
         pin from here (released once written or discarded). True if queued or already
-        queued; None (``pin`` released, nothing counted) when the pinned bytes would exceed
-        ``max_pinned`` or the staging budget: the caller then offers a copy. Raises
-        PoolClosedError after close (``pin`` released)."""
+        queued (``pin`` released); None when the pinned bytes would exceed ``max_pinned`` or
+        the staging budget: nothing is counted and ``pin`` stays the caller's, who offers a
+        copy (``offer``) and releases it. Raises PoolClosedError after close (``pin``
+        released)."""
         nbytes = pin.data.nbytes
         with self._lock:
             taken = not self._closed and key not in self._queue and key not in self._writing \
@@ -144,10 +145,12 @@ class WriteBehind:
                 self._cond.notify_all()
                 return True
             closed, queued = self._closed, key in self._queue or key in self._writing
+        if not (closed or queued):
+            return None
         pin.release()
         if closed:
             raise PoolClosedError("write-behind queue is closed")
-        return True if queued else None
+        return True
 
     def _recycle(self, staged: _Staged) -> None:
         """Give a written or discarded chunk's memory back (lock held); a pin is released by
