@@ -405,20 +405,20 @@ class KVPool:
         room = saves.book(ns, len(keys))
         found = self._reserve_many(ns, keys[:room], False, saving=True) if room else []
         reservations: list[ChunkReservation | None] = []
-        present = no_slot = 0
+        held = [slot is True for slot in found] + [False] * (len(keys) - room)
+        no_slot = 0
         for slot in found:
             if isinstance(slot, ChunkReservation):
                 reservations.append(slot)
                 continue
             reservations.append(None)
-            present += slot is True
             no_slot += slot is not True
         saves.unbook(ns, room - sum(r is not None for r in reservations))
         reservations.extend([None] * (len(keys) - room))
-        saves.counters.add_many({"saves": 1, "save_chunks": len(keys), "save_present": present,
-                                 "save_dropped_no_slot": no_slot,
+        saves.counters.add_many({"saves": 1, "save_chunks": len(keys),
+                                 "save_present": sum(held), "save_dropped_no_slot": no_slot,
                                  "save_dropped_budget": len(keys) - room})
-        return SaveBatch(saves, ns, keys, reservations, present)
+        return SaveBatch(saves, ns, keys, reservations, held)
 
     def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
              defer: bool = False) -> SaveTicket:
@@ -467,6 +467,8 @@ class KVPool:
                                  "save_dropped_no_slot": len(found) - present - len(taken),
                                  "save_dropped_budget": len(keys) - room})
         job.ticket.present = present
+        job.ticket.taken = [r is not None and r is not False for r in found] \
+            + [False] * (len(keys) - room)
         try:
             for i, r in taken:
                 job.fill(i, r.view)

@@ -55,15 +55,17 @@ SAVE_COUNTERS = ("saves", "save_chunks", "save_stored", "save_present", "save_dr
 class SaveTicket:
     """The outcome of one save, known once its commit ran: ``wait`` for it, then ``stored``
     (chunks the pool holds for this save, as ``put_many`` counts them) and ``present`` (chunks
-    that were already stored, not written again). A save that committed nothing is done at
-    once."""
+    that were already stored, not written again). ``taken[i]``: chunk i was already stored or
+    is handed over for its commit (False: dropped); known when ``save`` returns, for a
+    deferred save once done. A save that committed nothing is done at once."""
 
-    __slots__ = ("_done", "keys", "present", "stored")
+    __slots__ = ("_done", "keys", "present", "stored", "taken")
 
     def __init__(self, keys: Sequence[bytes], present: int) -> None:
         self.keys = list(keys)
         self.present = present
         self.stored = 0
+        self.taken = [False] * len(self.keys)
         self._done = threading.Event()
 
     def finish(self, stored: int) -> None:
@@ -85,12 +87,15 @@ class SaveBatch:
     chunk is already stored (``present``) or was dropped (no slot, over the budget): skip it.
     A caller that fills in several passes (layer by layer) keeps the batch between them."""
 
-    __slots__ = ("_pipeline", "_reservations", "keys", "ns", "present", "views")
+    __slots__ = ("_pipeline", "_reservations", "held", "keys", "ns", "present", "views")
 
     def __init__(self, pipeline: SavePipeline, ns: Namespace, keys: Sequence[bytes],
-                 reservations: list[ChunkReservation | None], present: int) -> None:
+                 reservations: list[ChunkReservation | None], held: list[bool]) -> None:
         self._pipeline = pipeline
-        self.ns, self.keys, self.present = ns, list(keys), present
+        self.ns, self.keys = ns, list(keys)
+        #: Per key: already stored or on its way (nothing to fill).
+        self.held = held
+        self.present = sum(held)
         self._reservations: list[ChunkReservation | None] | None = reservations
         self.views: list[memoryview | None] = [r.view if r is not None else None
                                                for r in reservations]
@@ -105,6 +110,8 @@ class SaveBatch:
         ``abort``, returns a ticket of nothing."""
         reservations, self._reservations = self._reservations, None
         ticket = SaveTicket(self.keys, self.present)
+        ticket.taken = [h or (reservations is not None and reservations[i] is not None)
+                        for i, h in enumerate(self.held)]
         taken = [r for r in reservations or [] if r is not None]
         if not taken:
             ticket.finish(0)
