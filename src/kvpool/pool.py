@@ -143,7 +143,7 @@ class KVPool:
                                 self.config.pool.background_nice)
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
-        self._saves = SavePipeline(self.commit_many, self._run_deferred,
+        self._saves = SavePipeline(lambda r: self.commit_many(r), self._run_deferred,
                                    self.config.pool.save_budget_bytes,
                                    self.config.pool.save_commit_wait_s,
                                    self.config.pool.background_nice)
@@ -702,6 +702,12 @@ class KVPool:
         """``contains`` per key, each tier asked once for the batch."""
         self._registered(ns, keys)
         return self._held_locally(ns.id, keys, stop_at_miss=False)
+
+    def saving_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: is it on its way to a commit (saved, not yet published)? Same checks as
+        contains."""
+        self._registered(ns, keys)
+        return self._saves.saving(ns.id, keys)
 
     def resident_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
         """Per key: does the DRAM tier hold it now (all False without DRAM)? For a node's
