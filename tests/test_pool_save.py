@@ -196,3 +196,15 @@ def test_write_through_saves_go_to_the_ssd_from_their_dram_slots(tmp_path: Path)
     with KVPool(small_config(tmp_path, dram={"capacity": 0})) as pool:  # the SSD alone
         pool.register_namespace(ns)
         assert loaded(pool, ns, keys)[0] == 10
+
+
+def test_save_drops_are_exported_by_cause(tmp_path: Path) -> None:
+    from metrics_support import scrape, value
+    ns = byte_namespace()
+    keys = [k(i) for i in range(5)]
+    with KVPool(small_config(tmp_path, pool={"save_budget_bytes": 3 * CHUNK})) as pool:
+        pool.register_namespace(ns)
+        assert pool.save(ns, keys, filler(keys)).wait(10)
+        s = scrape(pool.metrics)
+        assert value(s, "kvpool_dropped_saves_total", tier="dram", cause="budget") == 2
+        assert value(s, "kvpool_dropped_saves_total", tier="dram", cause="fill_error") == 0
