@@ -154,7 +154,7 @@ def test_a_failing_fill_gives_the_slots_back_and_raises(tmp_path: Path) -> None:
             pool.save(ns, keys, fill)
         assert pool.lookup(ns, keys) == 0
         deferred = pool.save(ns, keys, fill, defer=True)  # logged, not raised
-        assert deferred.wait(10) and deferred.stored == 0
+        assert deferred.wait(10) and deferred.stored == 0 and deferred.taken == [False] * 4
         assert pool.lookup(ns, keys) == 0
         s = pool.stats()["saves"]
         assert s["save_dropped_fill"] == 8 and s["booked_bytes"] == 0

@@ -474,8 +474,9 @@ class KVPool:
                 job.fill(i, r.view)
         except Exception:
             log.exception("kvpool: filling a deferred save failed; dropped")
-            for _, r in taken:
+            for i, r in taken:
                 r.abort()
+                job.ticket.taken[i] = False
             saves.unbook(ns, len(taken))
             saves.counters.add("save_dropped_fill", len(taken))
             return 0
