@@ -6,7 +6,10 @@ reference that writes the same bytes.
   tier: every put goes through the SSD's write-behind queue), ``put_many`` of batches of
   ``plan.batch`` chunks of 1 MiB, then ``flush`` (the pass ends once every byte is written),
   vs raw ``os.pwritev`` with O_DIRECT of the same bytes, one call per chunk, at fresh offsets
-  of one preallocated file. ``info["pool_write_costs_us"]`` prices, per chunk, what the pool
+  of one preallocated file. The pool's background threads run at the bench's own priority
+  (``pool.background_nice: 0``): the default +10, meant to leave an engine's threads the
+  cores, starves the write-behind on a busy machine and measures the scheduler instead.
+  ``info["pool_write_costs_us"]`` prices, per chunk, what the pool
   does that the raw side does not: the copy into staging (on the caller's thread, the GIL
   released), the xxh3 checksum and the record header (on the queue's thread).
 * ``small pool write`` (``small_write_vs_file_per_chunk``): the same pool path on 64 KiB chunks
@@ -50,8 +53,11 @@ def _pool(run: Run, path: Path, size: int, records: int, pass_bytes: int) -> KVP
         "cache_dir": str(path), "dram": {"capacity": 0},
         "ssd": {"capacity": engine_capacity(plan, size, records),
                 "segment_size": plan.segment_size, "durability": "cache"},
+        # background_nice 0: the queue's writer runs at the priority of the raw writer it is
+        # compared with (at the default +10 a loaded machine starves it: 0.29 vs 1.26 here)
         "pool": {"write_behind_bytes": room, "save_budget_bytes": room,
-                 "write_behind_batch": plan.batch, "warm_start_fraction": 0},
+                 "write_behind_batch": plan.batch, "warm_start_fraction": 0,
+                 "background_nice": 0},
         "metrics": {"enabled": False}, "log": {"configure": False}}), remote=False,
         serve_metrics=False)
 
