@@ -30,6 +30,7 @@ REQUIRED_RATIOS = (
     "small_read_vs_file_per_chunk", "small_write_vs_file_per_chunk",
     "prefix_read_vs_file_per_chunk", "prefix_read_vs_sequential", "prefix_load_prefetch_vs_none",
     "metrics_on_vs_off_get_into", "metrics_on_vs_off_get_many_into", "metrics_on_vs_off_lookup",
+    "pool_ssd_write_vs_raw", "small_engine_write_vs_file_per_chunk",
 )
 
 
@@ -62,6 +63,10 @@ def test_tiny_run_reports_every_case(tmp_path: Path) -> None:
             assert row["prefix_chunks"] == n
             assert row["kvpool"]["bytes_per_op"] == n * TINY.small_size
     assert data["ratio_basis"]["prefix_read_vs_sequential"].startswith("prefix/read ")
+    assert data["ratio_basis"]["pool_ssd_write_vs_raw"] == f"pool/write/{MiB}/1t"
+    assert data["ratio_basis"]["small_write_vs_file_per_chunk"] == \
+        f"small/pool write/{TINY.small_size}/1t"
+    assert set(data["info"]["pool_write_costs_us"]) == {"staging_copy", "checksum"}
     # every prefix read was one coalesced read (each batch fits one 4 MiB segment or two)
     assert data["info"]["prefix_coalesced_reads"] >= TINY.repeats * sum(
         max(2, TINY.prefix_pass_bytes // (n * TINY.small_size)) for n in TINY.prefix_lengths)

@@ -22,6 +22,7 @@ from kvpool import KVPool  # noqa: E402
 from kvpool.integrations.hf import PrefixCache, namespace_for  # noqa: E402
 from kvpool.keys import Namespace  # noqa: E402
 from kvpool.peers.file_pool import FilePerChunkPool  # noqa: E402
+from kvpool.saves import LoadHandle, SaveTicket  # noqa: E402
 from kvpool.tiers.ssd import SsdTier  # noqa: E402
 
 CHUNK_TOKENS = 32
@@ -163,16 +164,13 @@ class StoreWrapper:
 class WrongKV(StoreWrapper):
     """A store that hands back every chunk with its bytes perturbed: the negative control."""
 
-    def pin_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[None]:
-        return [None] * len(keys)  # no zero-copy views: every chunk goes through the perturbing get
-
-    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
-                      outs: Sequence[Any]) -> list[bool]:
-        found = self.inner.get_many_into(ns, keys, outs)
-        for out in outs:
-            values = np.frombuffer(out, dtype=np.float32)
-            np.copyto(values, values[::-1].copy())  # plausible numbers, wrong places
-        return found
+    def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle:
+        inner = self.inner.open_load(ns, keys)
+        wrong = [np.frombuffer(v, np.float32)[::-1].copy() if v is not None else None
+                 for v in inner.sources]  # plausible numbers, wrong places
+        inner.release()
+        return LoadHandle([memoryview(w).cast("B").toreadonly() if w is not None else None
+                           for w in wrong], [], [], lambda b: None)
 
 
 def test_negative_control_wrong_kv_changes_the_logits(model: Any, tmp_path: Path) -> None:
@@ -230,49 +228,58 @@ def test_window_narrower_than_the_prompt_is_not_saved(tmp_path: Path) -> None:
         pc.close()
 
 
-class FailingPuts(StoreWrapper):
-    """A store whose writes raise (saves commit reserved slots): saving must not reach the
-    caller, and the reserved slots must come back."""
+class FailingFills(StoreWrapper):
+    """A store whose saves fail while the slots are being filled (the pool's save thread
+    sees an error): saving must not reach the caller, and the reserved slots come back."""
 
-    def commit_many(self, reservations: Sequence[Any]) -> int:
-        raise OSError(28, "No space left on device")
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Any, *,
+             defer: bool = False) -> SaveTicket:
+        def failing(i: int, view: memoryview) -> None:
+            raise OSError(28, "No space left on device")
+        return self.inner.save(ns, keys, failing, defer=defer)
 
 
 def test_failing_saves_are_dropped_and_counted(model: Any, tmp_path: Path) -> None:
     ids = prompt(200)
     expected = generate_all(model, None, [ids])[0]
     with pool_at(tmp_path) as pool:
-        pc = PrefixCache(model, FailingPuts(pool), CHUNK_TOKENS)
+        pc = PrefixCache(model, FailingFills(pool), CHUNK_TOKENS)
         assert pc.generate(ids, 6).tokens == expected
         pc.flush()
         assert pc.saved_chunks == 0 and pc.dropped_saves == 6
+        assert pool.stats()["saves"]["save_dropped_fill"] == 6
+        assert pool.stats()["dram"]["used_bytes"] == 0
         pc.close()
 
 
-class SlowCommits(StoreWrapper):
-    """A store whose commits wait for ``release``: the saver is behind the next request.
-    (The Event only controls when the save lands.)"""
+class SlowFills(StoreWrapper):
+    """A store whose saves wait for ``release`` before they fill their slots: the pool's
+    save thread is behind the next request. (The Event only controls when the save lands.)"""
 
     def __init__(self, inner: KVPool) -> None:
         super().__init__(inner)
         self.release = threading.Event()
 
-    def commit_many(self, reservations: Sequence[Any]) -> int:
-        self.release.wait(10)
-        return self.inner.commit_many(reservations)
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Any, *,
+             defer: bool = False) -> SaveTicket:
+        def slow(i: int, view: memoryview) -> None:
+            self.release.wait(10)
+            fill(i, view)
+        return self.inner.save(ns, keys, slow, defer=defer)
 
 
 @pytest.mark.parametrize("wait_s", [5.0, 0.05])
 def test_the_next_request_waits_for_a_running_save_of_its_prefix(model: Any, tmp_path: Path,
                                                                  wait_s: float) -> None:
-    """Read-your-writes: a prompt right after the one that produced its prefix hits it even
-    though the save is still running (it waits, bounded by save_wait_s); past the bound it
-    recomputes, and its output is the model's own either way."""
+    """Read-your-writes (the pool's): a prompt right after the one that produced its prefix
+    hits it even though the save is still running (its load waits, bounded by
+    pool.save_commit_wait_s); past the bound it recomputes, and its output is the model's
+    own either way."""
     ids = prompt(200)
     expected = generate_all(model, None, [ids, ids])
-    with pool_at(tmp_path) as pool:
-        store = SlowCommits(pool)
-        pc = PrefixCache(model, store, CHUNK_TOKENS, save_wait_s=wait_s)
+    with pool_at(tmp_path, pool={"save_commit_wait_s": wait_s}) as pool:
+        store = SlowFills(pool)
+        pc = PrefixCache(model, store, CHUNK_TOKENS)
         first = pc.generate(ids, 6)
         timer = threading.Timer(0.5, store.release.set)
         timer.start()
@@ -285,36 +292,46 @@ def test_the_next_request_waits_for_a_running_save_of_its_prefix(model: Any, tmp
 
 
 class SaverPriority(StoreWrapper):
-    """Records the nice value of the thread that reserves slots (the saver)."""
+    """Records the nice value of the thread that fills the slots (the pool's save thread)."""
 
     def __init__(self, inner: KVPool) -> None:
         super().__init__(inner)
         self.nice: list[int] = []
 
-    def reserve(self, ns: Namespace, key: bytes, wait: bool = True) -> Any:
-        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return self.inner.reserve(ns, key, wait)
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Any, *,
+             defer: bool = False) -> SaveTicket:
+        def noted(i: int, view: memoryview) -> None:
+            self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            fill(i, view)
+        return self.inner.save(ns, keys, noted, defer=defer)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-@pytest.mark.parametrize("saver_nice", [10, 0])
-def test_the_saver_yields_to_the_engine(model: Any, tmp_path: Path, saver_nice: int) -> None:
-    """The saver thread runs at nice ``saver_nice`` above the engine's thread (0: the same);
-    every chunk is still saved, and the next request restores them."""
+@pytest.mark.parametrize("nice", [10, 0])
+def test_the_saver_yields_to_the_engine(model: Any, tmp_path: Path, nice: int) -> None:
+    """The gather runs on the pool's save thread at pool.background_nice above the engine's
+    thread (0: the same); every chunk is still saved, and the next request restores them."""
     ids = prompt(200)
     engine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    with pool_at(tmp_path) as pool:
+    with pool_at(tmp_path, pool={"background_nice": nice}) as pool:
         store = SaverPriority(pool)
-        pc = PrefixCache(model, store, CHUNK_TOKENS, saver_nice=saver_nice)
+        pc = PrefixCache(model, store, CHUNK_TOKENS)
         first = pc.generate(ids, 6)
         pc.flush()
         assert pc.saved_chunks == 6 and pc.dropped_saves == 0
-        assert store.nice and set(store.nice) == {min(19, engine + saver_nice)}
+        assert store.nice and set(store.nice) == {min(19, engine + nice)}
         second = pc.generate(ids, 6)
         assert second.prefill.cached_tokens == 6 * CHUNK_TOKENS
         assert second.tokens == first.tokens
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == engine
         pc.close()
+
+
+def test_old_saver_settings_are_accepted_with_a_deprecation(model: Any) -> None:
+    with pytest.warns(DeprecationWarning, match="pool.save_commit_wait_s"):
+        PrefixCache(model, None, CHUNK_TOKENS, save_wait_s=1.0)
+    with pytest.warns(DeprecationWarning, match="pool.background_nice"):
+        PrefixCache(model, None, CHUNK_TOKENS, saver_nice=5)
 
 
 def test_engine_metrics_count_tokens_and_ttft_through_the_pool_registry(

@@ -21,6 +21,7 @@ sequence of keys, a namespace or config of the wrong type), ValueError (a malfor
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -41,9 +42,23 @@ from kvpool.metrics.pool_collector import PoolCollector
 from kvpool.metrics.recorder import OpLatency
 from kvpool.mover import Mover
 from kvpool.retention import Retention, RetentionBook, TenantQuotas
+from kvpool.saves import (
+    Fill,
+    LoadHandle,
+    SaveBatch,
+    SavePipeline,
+    SaveTicket,
+    Scatter,
+    _Deferred,
+    stats_of,
+)
 from kvpool.tiers.base import Tier, leading_run, read_tiers
+from kvpool.tiers.dram import DramTier
 from kvpool.tiers.slots import PinnedView, SlotReservation
 from kvpool.tiers.stack import build_tiers
+from kvpool.tiers.staging import WriteBehind
+
+log = logging.getLogger("kvpool.pool")
 
 
 class ChunkReservation:
@@ -145,6 +160,10 @@ class KVPool:
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
         self.events: Any = None  # the KV event publisher (events.enabled: true), else None
+        self._saves = SavePipeline(lambda r: self.commit_many(r), self._run_deferred,
+                                   self.config.pool.save_budget_bytes,
+                                   self.config.pool.save_commit_wait_s,
+                                   self.config.pool.background_nice)
         port = self.config.metrics.port
         if publish_events and self.config.events.enabled:
             from kvpool.events.attach import start_events
@@ -277,11 +296,20 @@ class KVPool:
         first (for durable puts the SSD, written and synced), then DRAM (a filled slot is
         published, otherwise a copy is put, marked as held below so its eviction is no
         demotion). Returns how many count as stored: durable = on the acknowledging tier;
-        else held by any tier."""
+        else held by any tier.
+
+        With a queue that takes pinned slots (``WriteBehind.offer_pinned``: the SSD's, in
+        cache mode with ``ssd_write: through``) DRAM goes first instead, and that queue gets
+        each chunk's DRAM slot, pinned, rather than a copy of it."""
         latency = self._latency
         started = perf_counter()
         timings: list[tuple[int, float]] = []
         book = self.retention
+        front = self._front
+        if front is not None and self._stack.ack is None and any(
+                isinstance(t, WriteBehind) and t.max_pinned for _, t in self._through) \
+                and not len(book) and self._ssd_gate is None:
+            return self._store_dram_first(front, items, started, timings)
         lower = [(k, ns, v) for k, ns, v, _ in items]
         ephemeral = [book.ephemeral(k) for k, _, _ in lower] if len(book) else None
         if ephemeral is not None and any(ephemeral):  # DRAM only: never below it
@@ -302,7 +330,6 @@ class KVPool:
             if tier is self._stack.ack:
                 acked = flags
             on_lower = [a or b for a, b in zip(on_lower, flags, strict=True)]
-        front = self._front
         held = list(on_lower)
         front_started = perf_counter()
         for i, (key, ns, view, slot) in enumerate(items):
@@ -323,6 +350,49 @@ class KVPool:
             latency.record_at("put", now - started, timings)
         return sum(acked if self.durable_puts else held)
 
+    def _store_dram_first(self, front: DramTier,
+                          items: Sequence[tuple[bytes, Namespace, memoryview,
+                                                SlotReservation | None]],
+                          started: float, timings: list[tuple[int, float]]) -> int:
+        """``_store`` of a cache-mode pool whose write-through queue takes pinned slots:
+        publish in DRAM, then hand each queue the chunk's slot, pinned (a chunk DRAM did not
+        take, or one over the queue's pinned budget, is offered as a copy), then mark what a
+        queue took as held below. Counts as ``_store``."""
+        latency = self._latency
+        front_started = perf_counter()
+        held = [slot.commit() if slot is not None else front.put(key, ns, view)
+                for key, ns, view, slot in items]
+        front.note_put_batch([key for key, _, _, _ in items])
+        if latency is not None:
+            timings.append((0, perf_counter() - front_started))
+        on_lower = [False] * len(items)
+        for index, tier in self._through:
+            tier_started = perf_counter()
+            for i, (key, ns, view, slot) in enumerate(items):
+                found = front.view_to_copy(key) if held[i] else None  # no read counted
+                pin = found[2] if found is not None else None
+                if pin is not None and found is not None and found[0].id != ns.id:
+                    pin.release()  # the key is another namespace's chunk
+                    pin = None
+                took = tier.offer_pinned(key, ns, pin) \
+                    if pin is not None and isinstance(tier, WriteBehind) else None
+                if took is None and pin is not None:  # not taken pinned: a copy of the slot
+                    try:
+                        took = tier.put_many([(key, ns, pin.data)])[0]
+                    finally:
+                        pin.release()
+                elif took is None:  # DRAM did not keep it: a copy of the caller's bytes
+                    took = tier.put_many([(key, ns, view)])[0] if slot is None else False
+                on_lower[i] = on_lower[i] or took
+            if latency is not None:
+                timings.append((index, perf_counter() - tier_started))
+        for i, (key, _, _, _) in enumerate(items):
+            if on_lower[i]:
+                front.mark_on_lower(key)
+        if latency is not None:
+            latency.record_at("put", perf_counter() - started, timings)
+        return sum(a or b for a, b in zip(held, on_lower, strict=True))
+
     def reserve(self, ns: Namespace, key: bytes, wait: bool = True,
                 retention: Retention | None = None) -> ChunkReservation | bool | None:
         """Room for one chunk that the caller fills in place through ``.view`` (a storage
@@ -342,10 +412,16 @@ class KVPool:
         the chunks already."""
         self._registered(ns, keys)
         self.retain(ns, keys, retention)
+        return self._reserve_many(ns, keys, wait, saving=True)
+
+    def _reserve_many(self, ns: Namespace, keys: Sequence[bytes], wait: bool,
+                      saving: bool) -> list[ChunkReservation | bool | None]:
+        """``reserve_many`` after the checks; ``saving``: a chunk on its way to a commit
+        counts as stored (a deferred save's own chunks must not)."""
         ack = self._stack.ack
         # Durable: stored means synced, whatever DRAM holds.
         stored = ack.contains_many(keys, ns.id) if ack is not None \
-            else self._held_locally(ns.id, keys, stop_at_miss=False)
+            else self._held_locally(ns.id, keys, stop_at_miss=False, saving=saving)
         return [True if held else self._reserve_slot(ns, key, wait)
                 for key, held in zip(keys, stored, strict=True)]
 
@@ -476,6 +552,145 @@ class KVPool:
             return None
         hidden = [book.expired(k) for k in keys]
         return hidden if any(hidden) else None
+    # ------------------------------------------------------------------ save / load
+    def begin_save(self, ns: Namespace, keys: Sequence[bytes],
+                   retention: Retention | None = None) -> SaveBatch:
+        """Reserve DRAM slots for saving ``keys`` (a prefix, in order) without waiting: the
+        caller fills ``batch.views[i]`` in place (in one pass or layer by layer), then
+        ``batch.commit()`` (background; returns a SaveTicket) or ``batch.abort()``. A view is
+        None for a chunk already stored or on its way (``batch.present`` counts them) and for
+        one dropped: over ``pool.save_budget_bytes`` (the save's tail) or with no free slot,
+        counted in ``stats()["saves"]``. Without a DRAM tier the slots are scratch buffers.
+        ``retention`` is recorded first (``retain``: PinLimitError for a pin past the
+        bound, nothing reserved). Same checks as ``put``."""
+        self._registered(ns, keys)
+        self.retain(ns, keys, retention)
+        keys = list(keys)
+        saves = self._saves
+        room = saves.book(ns, len(keys))
+        found = self._reserve_many(ns, keys[:room], False, saving=True) if room else []
+        reservations: list[ChunkReservation | None] = []
+        held = [slot is True for slot in found] + [False] * (len(keys) - room)
+        no_slot = 0
+        for slot in found:
+            if isinstance(slot, ChunkReservation):
+                reservations.append(slot)
+                continue
+            reservations.append(None)
+            no_slot += slot is not True
+        saves.unbook(ns, room - sum(r is not None for r in reservations))
+        reservations.extend([None] * (len(keys) - room))
+        saves.counters.add_many({"saves": 1, "save_chunks": len(keys),
+                                 "save_present": sum(held), "save_dropped_no_slot": no_slot,
+                                 "save_dropped_budget": len(keys) - room})
+        return SaveBatch(saves, ns, keys, reservations, held)
+
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
+             defer: bool = False, retention: Retention | None = None) -> SaveTicket:
+        """Save chunks whose payloads the caller writes straight into their DRAM slots:
+        ``fill(i, view)`` for each chunk ``keys[i]`` that needs storing (never for one already
+        stored or dropped, see ``begin_save``). The commit runs in the background; the saved
+        chunks count for ``lookup`` / ``contains`` as soon as this returns and a read of them
+        waits for the commit (``pool.save_commit_wait_s``). Returns a ticket (``wait()``,
+        then ``stored``).
+
+        ``defer=True``: reserving and filling run on the pool's save thread too (at
+        ``pool.background_nice``), so this returns at once; ``fill`` must read memory that
+        stays valid until the ticket is done. An exception from ``fill`` aborts this save's
+        slots (counted as ``save_dropped_fill``); inline it is re-raised, deferred it is
+        logged. Same checks as ``put``."""
+        if not defer:
+            batch = self.begin_save(ns, keys, retention)
+            try:
+                for i, view in enumerate(batch.views):
+                    if view is not None:
+                        fill(i, view)
+            except BaseException:
+                batch.abort("save_dropped_fill")
+                raise
+            return batch.commit()
+        self._registered(ns, keys)
+        self.retain(ns, keys, retention)
+        ticket = SaveTicket(keys, 0)
+        self._saves.defer(_Deferred(ns, list(keys), fill, ticket))
+        return ticket
+
+    def _run_deferred(self, job: _Deferred) -> int:
+        """A deferred save, on the save thread: reserve (its own chunks are on their way,
+        so they must not count as stored), fill, commit. Returns how many are stored."""
+        saves = self._saves
+        if self._closed:
+            saves.counters.add_many({"saves": 1, "save_chunks": len(job.keys),
+                                     "save_dropped_aborted": len(job.keys)})
+            return 0
+        ns, keys = job.ns, job.keys
+        room = saves.book(ns, len(keys))
+        found = self._reserve_many(ns, keys[:room], False, saving=False) if room else []
+        taken = [(i, r) for i, r in enumerate(found) if isinstance(r, ChunkReservation)]
+        present = sum(r is True for r in found)
+        saves.unbook(ns, room - len(taken))
+        saves.counters.add_many({"saves": 1, "save_chunks": len(keys), "save_present": present,
+                                 "save_dropped_no_slot": len(found) - present - len(taken),
+                                 "save_dropped_budget": len(keys) - room})
+        job.ticket.present = present
+        job.ticket.taken = [r is not None and r is not False for r in found] \
+            + [False] * (len(keys) - room)
+        try:
+            for i, r in taken:
+                job.fill(i, r.view)
+        except Exception:
+            log.exception("kvpool: filling a deferred save failed; dropped")
+            for i, r in taken:
+                r.abort()
+                job.ticket.taken[i] = False
+            saves.unbook(ns, len(taken))
+            saves.counters.add("save_dropped_fill", len(taken))
+            return 0
+        return saves.commit_now(ns, [r for _, r in taken]) if taken else 0
+
+    def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle:
+        """Make ``keys`` readable in place: wait for the commits of those being saved
+        (``pool.save_commit_wait_s``), pin the DRAM-resident ones, read the ones only slower
+        tiers hold straight into free DRAM slots and pin them (that read is their promotion),
+        and read what finds no slot into the pool's staging buffers. ``handle.sources[i]``
+        is chunk i's payload (None: a miss, or a chunk that failed its checksum), and
+        ``handle.loaded`` how many leading chunks are there. Release the handle. Same checks
+        as ``get_many_into``; a tier fault is a miss."""
+        self._registered(ns, keys)
+        keys = list(keys)
+        self._saves.wait_committed(ns.id, keys)
+        pins: list[PinnedView | None] = self._pin(ns, keys, True) \
+            if self._front is not None else [None] * len(keys)
+        sources: list[memoryview | None] = [p.data if p is not None else None for p in pins]
+        rest = [i for i, p in enumerate(pins) if p is None]
+        bufs = []
+        give = self._saves.buffers(ns.chunk_bytes).give
+        if rest:
+            pool_bufs = self._saves.buffers(ns.chunk_bytes)
+            bufs = [pool_bufs.take() for _ in rest]
+            try:
+                got = self._read_into(ns, [keys[i] for i in rest],
+                                      [byte_view(b, writable=True) for b in bufs])
+            except BaseException:
+                LoadHandle(sources, pins, bufs, give).release()
+                raise
+            for i, buf, hit in zip(rest, bufs, got, strict=True):
+                if hit:
+                    sources[i] = byte_view(buf).toreadonly()
+        return LoadHandle(sources, pins, bufs, give)
+
+    def load(self, ns: Namespace, keys: Sequence[bytes], scatter: Scatter) -> int:
+        """Deliver the longest leading run of ``keys`` the pool can: ``scatter(i, view)`` for
+        each chunk ``keys[i]`` of the run, in order, from a read-only view of its payload
+        valid only during the call (see ``open_load`` for where it comes from). Returns the
+        run's length: the engine recomputes from ``keys[returned]``. An exception from
+        ``scatter`` releases everything and is re-raised."""
+        with self.open_load(ns, keys) as handle:
+            for i in range(handle.loaded):
+                view = handle.sources[i]
+                assert view is not None
+                scatter(i, view)
+            return handle.loaded
 
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
@@ -504,6 +719,12 @@ class KVPool:
         views = [byte_view(o, writable=True) for o in outs]
         for view in views:
             check_size(ns, view, "output buffer")
+        self._saves.wait_committed(ns.id, keys)
+        return self._read_into(ns, keys, views)
+
+    def _read_into(self, ns: Namespace, keys: Sequence[bytes],
+                   views: Sequence[memoryview]) -> list[bool]:
+        """``get_many_into`` after its checks and its wait for commits."""
         started = perf_counter()
         timings: list[float] | None = [] if self._latency is not None else None
         counts: dict[str, int] = {}
@@ -555,6 +776,13 @@ class KVPool:
         self._registered(ns, keys)
         if self._front is None:
             return [None] * len(keys)
+        self._saves.wait_committed(ns.id, keys)
+        return self._pin(ns, keys, fetch)
+
+    def _pin(self, ns: Namespace, keys: Sequence[bytes],
+             fetch: bool) -> list[PinnedView | None]:
+        """``pin_many`` after its checks and its wait for commits (DRAM present)."""
+        assert self._front is not None
         started = perf_counter()
         views = [self._front.view(key, ns.id, count_miss=False) for key in keys]
         pinned_s = perf_counter() - started
@@ -575,15 +803,24 @@ class KVPool:
         return views
 
     def _held_locally(self, ns_id: bytes, keys: Sequence[bytes],
-                      stop_at_miss: bool) -> list[bool]:
+                      stop_at_miss: bool, saving: bool = True) -> list[bool]:
         """Per key: does a tier know, in this process, that it holds it? Each tier is asked
         once for the keys the faster ones lack. ``stop_at_miss``: only the leading run
-        matters (a lookup), so the answer is cut at the first key no tier holds."""
+        matters (a lookup), so the answer is cut at the first key no tier holds.
+        ``saving``: a chunk on its way to a commit (``save``) counts as held
+        (read-your-writes)."""
         if not self._tiers:
             return [] if stop_at_miss else [False] * len(keys)
         first, *slower = self._tiers
         held = list(first.contains_many(keys, ns_id))  # the common probe: one tier has all
-        todo = [i for i, flag in enumerate(held) if not flag] if slower else []
+        todo = [i for i, flag in enumerate(held) if not flag]
+        if todo and saving:
+            flags = self._saves.saving(ns_id, [keys[i] for i in todo])
+            for i, flag in zip(todo, flags, strict=True):
+                held[i] = flag
+            todo = [i for i, flag in zip(todo, flags, strict=True) if not flag]
+        if not slower:
+            todo = []
         for tier in slower:
             if not todo:
                 break
@@ -647,6 +884,12 @@ class KVPool:
         """``contains`` per key, each tier asked once for the batch."""
         self._registered(ns, keys)
         return self._held_locally(ns.id, keys, stop_at_miss=False)
+
+    def saving_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: is it on its way to a commit (saved, not yet published)? Same checks as
+        contains."""
+        self._registered(ns, keys)
+        return self._saves.saving(ns.id, keys)
 
     def resident_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
         """Per key: does the DRAM tier hold it now (all False without DRAM)? For a node's
@@ -716,8 +959,9 @@ class KVPool:
         timeout."""
         self._check_open()
         self.expire()
+        saved = self._saves.flush(timeout)
         ok = self._mover.wait_idle(timeout) if self._mover is not None else True
-        return all([tier.flush(timeout) for tier in self._tiers]) and ok
+        return all([tier.flush(timeout) for tier in self._tiers]) and ok and saved
 
     def stats(self) -> dict[str, Any]:
         """Counters per tier: hits, misses, evictions, checksum failures, dropped saves..."""
@@ -729,6 +973,7 @@ class KVPool:
             out["pool"].update(self._stack.demoter.demoted.snapshot())
         if self._mover is not None:
             out["pool"]["mover_pending"] = self._mover.pending()
+        out["saves"] = stats_of(self._saves)
         for tier in self._tiers:
             *path, leaf = tier.stats_key
             node = out
@@ -742,6 +987,9 @@ class KVPool:
         Idempotent."""
         if self._closed:
             return
+        saves = getattr(self, "_saves", None)  # None: the constructor failed before it
+        if saves is not None:
+            saves.close()  # commits what was handed over, while the tiers are open
         self._closed = True
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -53,6 +53,11 @@ from kvpool.bench.stats import BenchFailure, Comparison, human_bytes, render_tab
 from kvpool.bench.storage_common import Log, MiB, Plan, Run, Source
 from kvpool.bench.storage_dram import bench_dram
 from kvpool.bench.storage_metrics import METRICS_CASES, bench_metrics
+from kvpool.bench.storage_pool_write import (
+    POOL_WRITE_SIZE,
+    bench_pool_write,
+    bench_small_pool_write,
+)
 from kvpool.bench.storage_prefetch import PREFETCH_CHUNKS, bench_prefetch
 from kvpool.bench.storage_prefix import PREFIX_RATIOS, bench_prefix
 from kvpool.bench.storage_small import bench_small
@@ -122,6 +127,8 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         for size in plan.sizes:
             bench_ssd(run, size)
         bench_small(run)
+        bench_small_pool_write(run)
+        bench_pool_write(run)
         bench_prefix(run)
         bench_prefetch(run)
         bench_metrics(run)
@@ -138,7 +145,9 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         "ssd_read_batched_vs_raw": ("ssd", "get_many_into cold", h, top),
         "ssd_write_batched_vs_raw": ("ssd", "put_many", h, 1),
         "small_read_vs_file_per_chunk": ("small", "read cold rand", small, 1),
-        "small_write_vs_file_per_chunk": ("small", "write", small, 1),
+        "small_write_vs_file_per_chunk": ("small", "pool write", small, 1),
+        "small_engine_write_vs_file_per_chunk": ("small", "write", small, 1),
+        "pool_ssd_write_vs_raw": ("pool", "write", POOL_WRITE_SIZE, 1),
         "small_read_4t_vs_file_per_chunk": ("small", "read cold rand", small, top),
         "small_write_durable_vs_file_per_chunk": ("small", "write durable", small, 1),
         "prefix_load_prefetch_vs_none": ("prefetch", f"load {PREFETCH_CHUNKS} after lookup",

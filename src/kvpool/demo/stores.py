@@ -39,7 +39,8 @@ def make_store(mode: str, workdir: Path, chunk_bytes: int, dram_bytes: int,
         return KVPool(config_from_dict(base))
     if mode == "kvpool-ssd":
         base["dram"]["capacity"] = 0
-        base["pool"] = {"write_behind_bytes": max(256 << 20, 2 * request_bytes)}
+        room = max(256 << 20, 2 * request_bytes)
+        base["pool"] = {"write_behind_bytes": room, "save_budget_bytes": room}
         return KVPool(config_from_dict(base))
     if mode == "file-per-chunk":
         return FilePerChunkPool(workdir / mode)
@@ -71,8 +72,10 @@ def dropped_saves(store: ChunkStore | None) -> int:
         return 0
     stats = store.stats()
     staged = stats.get("write_behind", {})
+    saves = stats.get("saves", {})
     return int(stats.get("dram", {}).get("dropped_puts", 0) + staged.get("dropped", 0)
-               + staged.get("write_errors", 0))
+               + staged.get("write_errors", 0)
+               + sum(n for name, n in saves.items() if name.startswith("save_dropped_")))
 
 
 def close_store(store: ChunkStore | None) -> None:

@@ -1,8 +1,12 @@
 """Prefix reuse for Hugging Face transformers causal LMs (DESIGN.md section 7).
 
 For a prompt: build the namespace from the model config, ``lookup`` the longest cached
-chunk-aligned prefix, restore it into a DynamicCache, run the model over the suffix only, and
-save the new full chunks in the background while generation goes on. Chunk payloads are
+chunk-aligned prefix, restore it into a DynamicCache (``open_load``), run the model over the
+suffix only, and save the new full chunks in the background while generation goes on
+(``KVPool.save(defer=True)``: the pool's save thread gathers the cache's K/V straight into
+DRAM slots and commits them; read-your-writes is the pool's, so the next prompt sharing the
+prefix hits it even while it is being saved). This module holds only the gather and scatter
+between the cache tensors and a chunk payload. Chunk payloads are
 layer-major (layer 0's K then V, then layer 1 ...), each ``[kv_heads, chunk_tokens, head_dim]``
 in the model's dtype, so a layer-wise loader can read one layer as one slice.
 
@@ -18,8 +22,6 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -33,8 +35,8 @@ from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import KVLayout, Namespace
 from kvpool.metrics.engine import EngineCollector, EngineCounts
 from kvpool.metrics.recorder import LabeledLatency
-from kvpool.priority import lower_thread_priority
 from kvpool.retention import Retention
+from kvpool.saves import Fill, LoadHandle, SaveTicket
 
 log = logging.getLogger("kvpool.integrations.hf")
 
@@ -46,15 +48,10 @@ class ChunkStore(Protocol):
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int: ...
 
-    def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
-                      outs: Sequence[Any]) -> list[bool]: ...
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
+             defer: bool = False) -> SaveTicket: ...
 
-    def reserve(self, ns: Namespace, key: bytes, wait: bool = True) -> Any:
-        """A reservation (``.view`` to fill, ``commit()``, ``abort()``), or True when the chunk
-        is already stored, False/None when there is no room (KVPool.reserve)."""
-        ...
-
-    def commit_many(self, reservations: Sequence[Any]) -> int: ...
+    def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle: ...
 
     def flush(self, timeout: float | None = None) -> bool: ...
 
@@ -115,18 +112,18 @@ class PrefixCache:
     """Prefill and greedy generation with prefix reuse through a chunk store.
 
     ``store=None`` is plain recompute (the baseline), with the same code path otherwise.
-    ``save_wait_s``: how long a prefill waits for a still-running save of chunks it shares
-    before it recomputes them instead (read-your-writes). ``retention``: what its saves ask
-    to be kept for (docs/retention.md), e.g. ``{"priority": "high", "ttl_s": 3600}``; a
-    ``prefill`` / ``generate`` call's own ``retention=`` overrides it key by key (a pin the
-    pool refuses is logged and the chunks saved unpinned). ArgumentError for a bad one.
+    ``retention``: what its saves ask to be kept for (docs/retention.md), e.g.
+    ``{"priority": "high", "ttl_s": 3600}``; a ``prefill`` / ``generate`` call's own
+    ``retention=`` overrides it key by key (a pin the pool refuses is logged and the chunks
+    saved unpinned). ArgumentError for a bad one.
 
     Saving stays off the request that produced the KV: ``generate`` starts the save only once
-    the first token is out, so the copies into the store never share the TTFT window, and the
-    saver thread's nice value is the engine thread's plus ``saver_nice`` (Linux; 0: the same
-    priority), so while it overlaps decode steps or the next prefill the scheduler gives the
-    engine's threads the cores first. It is never starved: a nice thread still gets its share
-    of a busy core, and a prefill that waits for it (read-your-writes) leaves it the core.
+    the first token is out, so the copies into the store never share the TTFT window; the
+    gather runs on the pool's save thread, at ``pool.background_nice`` (Linux), so while it
+    overlaps decode steps or the next prefill the engine's threads get the cores first. A
+    prefill of chunks still being saved waits for their commit (``pool.save_commit_wait_s``;
+    then it recomputes them). ``save_wait_s`` and ``saver_nice`` are deprecated: they became
+    those two pool keys, and are ignored with a DeprecationWarning.
 
     ``metrics`` exports the engine metrics (engine="hf": tokens looked up, loaded, saved;
     TTFT of ``generate``); it is added to the store's registry when the store is a KVPool
@@ -135,23 +132,24 @@ class PrefixCache:
 
     def __init__(self, model: Any, store: ChunkStore | None, chunk_tokens: int = 256,
                  tenant_salt: str = "", model_id: str | None = None,
-                 save_wait_s: float = 2.0, saver_nice: int = 10,
+                 save_wait_s: float | None = None, saver_nice: int | None = None,
                  retention: Mapping[str, Any] | None = None) -> None:
+        for name, value, key in (("save_wait_s", save_wait_s, "pool.save_commit_wait_s"),
+                                 ("saver_nice", saver_nice, "pool.background_nice")):
+            if value is not None:
+                warnings.warn(f"PrefixCache({name}=) is deprecated and ignored: the pool's "
+                              f"{key} sets it", DeprecationWarning, stacklevel=2)
         self.model = model
         Retention.from_mapping(retention)  # a bad one fails now
         self.retention = dict(retention) if retention else None
         self.store = store
-        self.save_wait_s = save_wait_s
         self.ns = namespace_for(model, chunk_tokens, tenant_salt, model_id)
         if store is not None:
             store.register_namespace(self.ns)
         self.layers, self.kv_heads, self.head_dim, self.dtype = model_shape(model)
         _attention_layers(DynamicCache(config=model.config))  # fail now, not mid-request
-        self._staging: torch.Tensor | None = None
         self._restored: torch.Tensor | None = None
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-hf-save",
-                                         initializer=lower_thread_priority, initargs=(saver_nice,))
-        self._pending: list[tuple[Future[int], frozenset[bytes]]] = []  # saves and their keys
+        self._tickets: list[SaveTicket] = []  # saves not yet counted
         self._lock = threading.Lock()
         self.saved_chunks = 0
         self.dropped_saves = 0
@@ -165,6 +163,7 @@ class PrefixCache:
 
     def engine_counts(self) -> EngineCounts:
         c = self.ns.chunk_tokens
+        self._count_saves()
         with self._lock:
             return EngineCounts(
                 lookup_hit_tokens=self.lookup_hit_chunks * c,
@@ -177,16 +176,7 @@ class PrefixCache:
         as engines preallocate their KV memory at start-up; otherwise the first long hit pays
         the page faults of fresh memory (slower than the copies themselves here)."""
         n = -(-tokens // self.ns.chunk_tokens)
-        self._chunk_buffer(n).zero_()
         self._restore_target(n).zero_()
-
-    def _chunk_buffer(self, n: int) -> torch.Tensor:
-        """Staging for ``n`` chunks as stored: [n, L, 2, H, C, D], reused across requests."""
-        if self._staging is None or self._staging.shape[0] < n:
-            c = self.ns.chunk_tokens
-            self._staging = torch.empty((n, self.layers, 2, self.kv_heads, c, self.head_dim),
-                                        dtype=self.dtype)
-        return self._staging[:n]
 
     def _restore_target(self, n: int) -> torch.Tensor:
         """[L, 2, 1, H, n*C, D] per-layer contiguous K/V, reused across requests: the first
@@ -203,39 +193,25 @@ class PrefixCache:
         """Load the longest run of ``keys`` the store can deliver into a fresh DynamicCache.
         Returns (cache or None, restored chunks); a chunk that fails to load ends the run.
 
-        Chunks resident in DRAM are copied straight from pinned slots into the cache tensors
-        (one copy); the others go through the staging buffer (get_many_into, then a copy)."""
+        Each chunk is copied once, from where the store holds it (a pinned DRAM slot, or the
+        buffer an SSD / node read landed in), into the cache tensors."""
         if self.store is None or not keys:
             return None, 0
-        pin = getattr(self.store, "pin_many", None)
-        views: list[Any] = pin(self.ns, keys) if pin is not None else [None] * len(keys)
-        try:
-            missing = [i for i, v in enumerate(views) if v is None]
-            buf = self._chunk_buffer(len(keys))
-            fetched = dict(zip(missing, self.store.get_many_into(
-                self.ns, [keys[i] for i in missing],
-                [buf[i].view(torch.uint8).numpy().reshape(-1) for i in missing]),
-                strict=True)) if missing else {}
-            n = next((i for i in range(len(keys)) if views[i] is None and not fetched[i]),
-                     len(keys))
+        with self.store.open_load(self.ns, keys) as handle:
+            n = handle.loaded
             if n == 0:
                 return None, 0
             c = self.ns.chunk_tokens
             kv = self._restore_target(n)  # [L, 2, 1, H, n*C, D]: per-layer contiguous K/V
             by_chunk = kv.view(self.layers, 2, self.kv_heads, n, c, self.head_dim)
             stored_shape = (self.layers, 2, self.kv_heads, c, self.head_dim)
-            with warnings.catch_warnings():  # pinned slots are read-only; we only read them
+            with warnings.catch_warnings():  # the sources are read-only; we only read them
                 warnings.simplefilter("ignore", UserWarning)
                 for i in range(n):
-                    # a temporary: its export of the slot ends with the statement, before
-                    # release() below
-                    by_chunk[:, :, :, i].copy_(
-                        torch.frombuffer(views[i].data, dtype=self.dtype).view(stored_shape)
-                        if views[i] is not None else buf[i])
-        finally:
-            for view in views:
-                if view is not None:
-                    view.release()
+                    # a temporary: its export of the source ends with the statement, before
+                    # the handle is released
+                    by_chunk[:, :, :, i].copy_(torch.frombuffer(
+                        handle.sources[i], dtype=self.dtype).view(stored_shape))
         cache = DynamicCache(config=self.model.config)
         for layer_idx, layer in enumerate(_attention_layers(cache)):
             keys_t, values_t = kv[layer_idx, 0], kv[layer_idx, 1]
@@ -247,44 +223,46 @@ class PrefixCache:
         return cache, n
 
     # ------------------------------------------------------------------ save
-    def _save(self, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
-              keys: list[bytes], first: int, retention: dict[str, Any] | None = None) -> int:
-        """Copy chunks ``first..`` of the cache straight into reserved slots of the store (one
-        copy per byte), then commit them as one batch."""
-        assert self.store is not None
+    def _gather(self, cache_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                first: int) -> Fill:
+        """``fill(i, slot)`` for the pool: chunk ``first + i`` of the cache's K/V, layer by
+        layer, straight into its slot (the one copy per byte)."""
         c = self.ns.chunk_tokens
         shape = (self.layers, 2, self.kv_heads, c, self.head_dim)
-        stored = 0
-        slots: list[Any] = []
-        retain_for_save(self.store, self.ns, keys[first:], retention_now(retention))
-        try:
-            for j, key in enumerate(keys[first:], start=first):
-                slot = self.store.reserve(self.ns, key)
-                if slot is None or isinstance(slot, bool):  # already stored / no room
-                    stored += bool(slot)
-                    continue
-                slots.append(slot)
-                dst = torch.frombuffer(slot.view, dtype=self.dtype).view(shape)
-                for layer, (k, v) in enumerate(cache_layers):
-                    dst[layer, 0].copy_(k[0, :, j * c:(j + 1) * c])
-                    dst[layer, 1].copy_(v[0, :, j * c:(j + 1) * c])
-            stored += self.store.commit_many(slots)
-        except Exception as exc:  # a save never fails inference: the rest is dropped, counted
-            log.warning("kvpool: saving chunks failed after %d: %s", stored, exc)
-        finally:
-            for slot in slots:
-                slot.abort()  # a no-op once committed
+
+        def fill(i: int, view: memoryview) -> None:
+            j = first + i
+            dst = torch.frombuffer(view, dtype=self.dtype).view(shape)
+            for layer, (k, v) in enumerate(cache_layers):
+                dst[layer, 0].copy_(k[0, :, j * c:(j + 1) * c])
+                dst[layer, 1].copy_(v[0, :, j * c:(j + 1) * c])
+        return fill
+
+    def _count_saves(self, wait: bool = False) -> None:
+        """Count the saves whose commit ran (all of them, waiting, with ``wait``)."""
         with self._lock:
-            self.saved_chunks += stored
-            self.dropped_saves += (len(keys) - first) - stored
-        return stored
+            tickets, self._tickets = self._tickets, []
+        left = []
+        for ticket in tickets:
+            if wait:
+                ticket.wait()
+            if not ticket.done():
+                left.append(ticket)
+                continue
+            saved = ticket.stored + ticket.present
+            with self._lock:
+                self.saved_chunks += saved
+                self.dropped_saves += len(ticket.keys) - saved
+        with self._lock:
+            self._tickets[:0] = left
 
     def save_async(self, cache: DynamicCache, keys: Sequence[bytes], first: int,
                    retention: Mapping[str, Any] | None = None) -> None:
-        """Hand chunks ``first..len(keys)`` of a filled cache to the store in the background,
-        with the engine's retention under ``retention``'s keys. Layers whose cache no longer
-        holds every token (sliding windows) make the chunks unsavable: they are skipped and
-        counted as dropped."""
+        """Hand chunks ``first..len(keys)`` of a filled cache to the store's background save,
+        with the engine's retention under ``retention``'s keys. Layers whose cache no
+        longer holds every token (sliding windows) make the chunks unsavable: they are
+        skipped and counted as dropped. A save the store drops (no room, a failed write)
+        is counted as dropped; it never reaches the caller."""
         if self.store is None or first >= len(keys):
             return
         total = len(keys) * self.ns.chunk_tokens
@@ -295,28 +273,27 @@ class PrefixCache:
                 self.dropped_saves += len(keys) - first
             return
         # cache tensors are replaced, never written in place, as generation goes on, so the
-        # saver may read these references while the model keeps decoding
-        self._pending = [(f, k) for f, k in self._pending if not f.done()]
+        # pool's save thread may read these references while the model keeps decoding
         merged = merged_retention(self.retention, retention)
-        self._pending.append((self._saver.submit(self._save, layers, list(keys), first, merged),
-                              frozenset(keys[first:])))
-
-    def _wait_for_saves_of(self, keys: Sequence[bytes]) -> None:
-        """Read-your-writes: a prompt that shares chunks with a save still running waits for
-        that save (at most ``save_wait_s``; then those chunks are recomputed), so the request
-        right after the one that produced a prefix never misses it."""
-        wanted = set(keys)
-        running = [f for f, k in self._pending if not f.done() and k & wanted]
-        if running:
-            futures.wait(running, timeout=self.save_wait_s)
+        saving = list(keys[first:])
+        try:
+            retain_for_save(self.store, self.ns, saving, retention_now(merged))
+            ticket = self.store.save(self.ns, saving, self._gather(layers, first),
+                                     defer=True)
+        except Exception as exc:  # a save never fails inference
+            log.warning("kvpool: saving %d chunks failed: %s", len(keys) - first, exc)
+            with self._lock:
+                self.dropped_saves += len(keys) - first
+            return
+        with self._lock:
+            self._tickets.append(ticket)
+        self._count_saves()
 
     def flush(self) -> None:
-        """Wait for background saves, then for the store's own write-behind."""
-        for fut, _ in self._pending:
-            fut.result()
-        self._pending.clear()
+        """Wait for background saves (the store's flush: commits and write-behind)."""
         if self.store is not None:
             self.store.flush()
+        self._count_saves(wait=True)
 
     # ------------------------------------------------------------------ prefill / generate
     @torch.inference_mode()
@@ -338,8 +315,6 @@ class PrefixCache:
         keys = self.ns.chunk_keys(ids) if self.store is not None else []
         # at least one token must run through the model to produce the next-token logits
         usable = min(len(keys), (len(ids) - 1) // self.ns.chunk_tokens)
-        if usable:
-            self._wait_for_saves_of(keys[:usable])
         hit = self.store.lookup(self.ns, keys[:usable]) if self.store is not None and usable else 0
         t1 = time.perf_counter()
         cache, restored = self.restore(keys[:hit])
@@ -386,7 +361,6 @@ class PrefixCache:
 
     def close(self) -> None:
         self.flush()
-        self._saver.shutdown(wait=True)
         if self._registry is not None:
             self._registry.unregister(self.metrics)
             self._registry = None

@@ -21,7 +21,8 @@ POOL_OPS = ("get", "put", "lookup")
 #: Label values of ``queue``.
 QUEUES = ("ssd_write_behind", "cluster_write_behind", "mover")
 #: Label values of ``cause`` on dropped saves.
-DROP_CAUSES = ("full", "write_error", "pinned", "node_down")
+DROP_CAUSES = ("full", "write_error", "pinned", "node_down", "budget", "fill_error",
+               "commit_error", "aborted")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ def _specs() -> list[MetricSpec]:
                    ("tier",)),
         MetricSpec("kvpool_dropped_saves_total", "counter",
                    "Saves dropped: full (staging full), write_error, pinned (DRAM had no "
-                   "evictable slot), node_down (no storage node took it).", ("tier", "cause")),
+                   "evictable slot), node_down (no storage node took it); of KVPool.save "
+                   "(tier dram): budget (over pool.save_budget_bytes), pinned (no free slot), "
+                   "fill_error (the engine's gather failed), commit_error, aborted.",
+                   ("tier", "cause")),
         MetricSpec("kvpool_queue_depth", "gauge", "Chunks (mover: jobs) queued.", ("queue",)),
         MetricSpec("kvpool_queue_bytes", "gauge",
                    "Payload bytes queued in a write-behind queue (being written included).",

@@ -81,7 +81,13 @@ def tier_counters(out: Families, stats: Stats) -> None:
     if dram is not None:
         out.add("kvpool_written_bytes_total", dram["put_bytes"], "dram")
         out.add("kvpool_evictions_total", dram["evictions"], "dram")
-        out.add("kvpool_dropped_saves_total", dram["dropped_puts"], "dram", "pinned")
+        saves = stats.get("saves", {})
+        out.add("kvpool_dropped_saves_total",
+                dram["dropped_puts"] + saves.get("save_dropped_no_slot", 0), "dram", "pinned")
+        for cause, key in (("budget", "save_dropped_budget"), ("fill_error", "save_dropped_fill"),
+                           ("commit_error", "save_dropped_commit"),
+                           ("aborted", "save_dropped_aborted")):
+            out.add("kvpool_dropped_saves_total", saves.get(key, 0), "dram", cause)
         out.add("kvpool_capacity_bytes", dram["capacity_bytes"], "dram")
         out.add("kvpool_used_bytes", dram["used_bytes"], "dram")
         out.add("kvpool_chunks", dram["entries"], "dram")

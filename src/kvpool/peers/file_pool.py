@@ -12,12 +12,13 @@ from kvpool.errors import ChunkSizeError, UnknownNamespaceError
 from kvpool.keys import Namespace
 from kvpool.peers.file_per_chunk import FilePerChunkStore
 from kvpool.pool import ChunkReservation
+from kvpool.saves import Fill, LoadHandle, SaveTicket
 
 
 class FilePerChunkPool:
     """One FilePerChunkStore directory per namespace; same methods as KVPool that engine
     integrations use (register_namespace, lookup, get_many_into, put, reserve, commit_many,
-    flush, stats, close).
+    save, open_load, flush, stats, close); ``save`` writes each file before it returns.
     No DRAM tier and no checksum: every read goes to the file system."""
 
     def __init__(self, directory: str | Path, durable: bool = False) -> None:
@@ -71,6 +72,29 @@ class FilePerChunkPool:
 
     def commit_many(self, reservations: Sequence[ChunkReservation]) -> int:
         return sum(self.put(r.ns, r.key, r.view) for r in reservations if r.take())
+
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
+             defer: bool = False) -> SaveTicket:
+        """As KVPool.save, synchronously (``defer`` is accepted and ignored): each chunk is
+        filled into a scratch buffer and written as one file."""
+        store = self._store(ns)
+        present = [store.contains(key) for key in keys]
+        ticket = SaveTicket(keys, sum(present))
+        stored = 0
+        for i, key in enumerate(keys):
+            if not present[i]:
+                buf = memoryview(bytearray(ns.chunk_bytes))
+                fill(i, buf)
+                stored += self.put(ns, key, buf)
+        ticket.finish(stored)
+        return ticket
+
+    def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle:
+        """As KVPool.open_load: every chunk read from its file into a scratch buffer."""
+        bufs = [bytearray(ns.chunk_bytes) for _ in keys]
+        found = self.get_many_into(ns, keys, bufs)
+        return LoadHandle([memoryview(b).toreadonly() if hit else None
+                           for b, hit in zip(bufs, found, strict=True)], [], [], lambda b: None)
 
     def flush(self, timeout: float | None = None) -> bool:
         return True

@@ -237,9 +237,14 @@ def build_tiers(cfg: Config, remote: bool = True, retention: RetentionBook | Non
     try:
         if cfg.ssd.enabled:
             ssd = stack.ssd = SsdTier(SsdEngine.from_config(cfg))
+            # Write-through saves of chunks DRAM holds are queued as pinned slots (the SSD
+            # writes straight from DRAM, no staging copy), up to a quarter of DRAM, so
+            # eviction always has unpinned slots to take; beyond it they are copied.
+            pinnable = cfg.dram.capacity // 4 if cfg.pool.ssd_write == "through" \
+                and cfg.ssd.durability == "cache" else 0
             ssd_staging = WriteBehind(ssd.engine, cfg.pool.write_behind_bytes,
                                       cfg.pool.write_behind_batch,
-                                      nice=cfg.pool.background_nice)
+                                      nice=cfg.pool.background_nice, max_pinned=pinnable)
             stack.tiers[:0] = [ssd_staging, ssd]
             if cfg.pool.ssd_write == "through" or cfg.dram.capacity == 0:
                 durable = cfg.ssd.durability == "durable"

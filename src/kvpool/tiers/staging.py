@@ -2,7 +2,9 @@
 of its own, placed above the tier it feeds, so a pool reads staged chunks like any other.
 
 ``offer`` (``put_many``) copies a chunk into a staging buffer (a large copy with the GIL
-released: ``buffers.copy_into``) and returns at once; a worker
+released: ``buffers.copy_into``) and returns at once; ``offer_pinned`` instead queues a pinned
+DRAM slot that holds the chunk (no copy: the SSD writes straight from the slot, which stays
+out of eviction until written), within ``max_pinned`` bytes; a worker
 thread writes staged chunks to the sink in batches. When the staged bytes would exceed the
 budget the offer is refused and counted as a dropped save: the caller (inference) never waits
 for the SSD. Staged chunks are readable (``get_into``) until written, so a just-evicted chunk
@@ -25,6 +27,7 @@ from kvpool.logs import RateLimited
 from kvpool.priority import lower_thread_priority
 from kvpool.ssd.directio import aligned_buffer
 from kvpool.tiers.base import Item, local_lookup
+from kvpool.tiers.slots import PinnedView
 
 log = logging.getLogger("kvpool.writebehind")
 
@@ -34,6 +37,7 @@ class _Staged:
     ns: Namespace
     buffer: memoryview  # page-aligned, so the SSD write is zero-copy from here
     nbytes: int
+    pin: PinnedView | None = None  # the DRAM slot ``buffer`` views, released once written
 
 
 class BatchSink(Protocol):
@@ -49,7 +53,7 @@ class WriteBehind:
 
     def __init__(self, sink: BatchSink, max_bytes: int, batch: int = 16,
                  label: str = "ssd", stats_key: tuple[str, ...] = ("write_behind",),
-                 nice: int = 0) -> None:
+                 nice: int = 0, max_pinned: int = 0) -> None:
         self._sink = sink
         self._nice = nice
         self._name = label
@@ -57,6 +61,10 @@ class WriteBehind:
         self.label = f"{label}_staging"
         self.stats_key = stats_key
         self._max_bytes = max_bytes
+        #: Bytes of pinned DRAM slots the queue may hold (``offer_pinned``; 0: never).
+        self.max_pinned = min(max_pinned, max_bytes)
+        self._pinned = 0
+        self._releasing = False  # the worker is releasing the pins of a written batch
         self._batch = batch
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -70,8 +78,8 @@ class WriteBehind:
         #: done (the pool writes back, from DRAM, what the SSD's log dropped meanwhile); its
         #: errors are logged, never raised.
         self.after_batch: Callable[[], object] | None = None
-        self._counters = dict.fromkeys(("offered", "offered_bytes", "written", "dropped",
-                                        "write_errors"), 0)
+        self._counters = dict.fromkeys(("offered", "offered_bytes", "offered_pinned",
+                                        "written", "dropped", "write_errors"), 0)
         self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{label}",
                                         daemon=True)
         self._worker.start()
@@ -115,6 +123,48 @@ class WriteBehind:
             self._queue[key] = _Staged(ns, buf, view.nbytes)
             self._cond.notify_all()
         return True
+
+    def offer_pinned(self, key: bytes, ns: Namespace, pin: PinnedView) -> bool | None:
+        """Queue the DRAM slot ``pin`` holds for the sink, without a copy: the queue owns the
+        pin from here (released once written or discarded). True if queued or already
+        queued (``pin`` released); None when the pinned bytes would exceed ``max_pinned`` or
+        the staging budget: nothing is counted and ``pin`` stays the caller's, who offers a
+        copy (``offer``) and releases it. Raises PoolClosedError after close (``pin``
+        released)."""
+        nbytes = pin.data.nbytes
+        with self._lock:
+            taken = not self._closed and key not in self._queue and key not in self._writing \
+                and self._pinned + nbytes <= self.max_pinned \
+                and self._allocated + self._pinned + nbytes <= self._max_bytes
+            if taken:
+                self._pinned += nbytes
+                self._counters["offered"] += 1
+                self._counters["offered_pinned"] += 1
+                self._counters["offered_bytes"] += nbytes
+                self._queue[key] = _Staged(ns, pin.data, nbytes, pin)
+                self._cond.notify_all()
+                return True
+            closed, queued = self._closed, key in self._queue or key in self._writing
+        if not (closed or queued):
+            return None
+        pin.release()
+        if closed:
+            raise PoolClosedError("write-behind queue is closed")
+        return True
+
+    def _recycle(self, staged: _Staged) -> None:
+        """Give a written or discarded chunk's memory back (lock held); a pin is released by
+        the caller after the lock (``_release``)."""
+        if staged.pin is None:
+            self._spare[len(staged.buffer)].append(staged.buffer)
+        else:
+            self._pinned -= staged.nbytes
+
+    @staticmethod
+    def _release(staged: Sequence[_Staged]) -> None:
+        for s in staged:
+            if s.pin is not None:
+                s.pin.release()
 
     def _say_dropped(self) -> None:
         """One WARNING per burst of drops (RateLimited), naming how many were held back."""
@@ -174,7 +224,9 @@ class WriteBehind:
         with self._lock:
             staged = self._queue.pop(key, None)
             if staged is not None:
-                self._spare[len(staged.buffer)].append(staged.buffer)
+                self._recycle(staged)
+        if staged is not None:
+            self._release([staged])
 
     def delete(self, key: bytes, ns: Namespace) -> bool:
         """Forget a staged chunk; one already being written lands first, so a tombstone
@@ -192,10 +244,13 @@ class WriteBehind:
         return 0
 
     def discard_namespace(self, namespace_id: bytes) -> None:
+        gone = []
         with self._lock:
             for key in [k for k, s in self._queue.items() if s.ns.id == namespace_id]:
                 staged = self._queue.pop(key)
-                self._spare[len(staged.buffer)].append(staged.buffer)
+                self._recycle(staged)
+                gone.append(staged)
+        self._release(gone)
 
     def _run(self) -> None:
         lower_thread_priority(self._nice)  # the engine's threads get the cores first
@@ -226,15 +281,20 @@ class WriteBehind:
             with self._lock:
                 for key, staged in batch:
                     del self._writing[key]
-                    self._spare[len(staged.buffer)].append(staged.buffer)
+                    self._recycle(staged)
                 self._counters["written"] += written
                 self._counters["write_errors"] += failed
+                self._releasing = True
+            self._release([staged for _, staged in batch])  # before a flush sees it done
+            with self._lock:
+                self._releasing = False
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything staged so far is written. False on timeout."""
         with self._lock:
-            return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout)
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._writing and not self._releasing, timeout)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -242,7 +302,8 @@ class WriteBehind:
             out.update(queued=len(self._queue) + len(self._writing),
                        queued_bytes=sum(s.nbytes for s in self._queue.values())
                        + sum(s.nbytes for s in self._writing.values()),
-                       staging_bytes=self._allocated, staging_limit=self._max_bytes)
+                       staging_bytes=self._allocated, staging_limit=self._max_bytes,
+                       pinned_bytes=self._pinned)
             return out
 
     def close(self) -> None:

@@ -6,15 +6,16 @@ SGLang's cache controller calls it from three threads (backup, prefetch, prefetc
   tier holds, storage nodes asked once per node); the first ``pool.prefetch_window_chunks``
   pages of the run that DRAM lacks start moving up into DRAM at once, so the read that follows
   finds them there;
-* ``batch_get_v1(keys, host_indices)``: pages DRAM holds are pinned and copied straight into
-  the host pool's memory (``pages.py``: one memmove per piece, addresses from
-  ``get_page_buffer_meta``); pages only the SSD or the nodes hold are first read into free DRAM
-  slots (``pin_many(fetch=True)``: that read is their promotion) and copied from there; what
-  finds no slot is read into a staging buffer, then copied;
-* ``batch_set_v1(keys, host_indices)``: a DRAM slot is reserved per page (never waiting),
-  the page's pieces are gathered straight into it, and the batch is committed at once
-  (``KVPool.commit_many``: published in DRAM, offered to the write-behind queues, or written
-  and synced for durable pools).
+* ``batch_get_v1(keys, host_indices)``: ``KVPool.open_load`` makes the pages readable in
+  place (DRAM slots pinned; pages only the SSD or the nodes hold read into free DRAM slots,
+  which is their promotion; what finds no slot read into the pool's staging buffers) and each
+  is copied straight into the host pool's memory (``pages.py``: one memmove per piece,
+  addresses from ``get_page_buffer_meta``);
+* ``batch_set_v1(keys, host_indices)``: ``KVPool.save`` with the page gather as its fill: a
+  DRAM slot is reserved per page (never waiting), the page's pieces are gathered straight into
+  it, and the pool's save thread commits them (published in DRAM, queued pinned for the SSD,
+  or written and synced for durable pools); the pages count for ``batch_exists`` at once and a
+  read of one waits for its commit (the pool's read-your-writes).
 
 One SGLang page is one kvpool chunk (see ``layout.py`` for its payload and the namespace). The
 legacy calls (``get``/``set``/``batch_get``/``batch_set``/``exists``) store the same bytes:
@@ -58,8 +59,7 @@ from kvpool.integrations.sglang.settings import EXTRA_CONFIG, parse_settings
 from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import Namespace
 from kvpool.metrics.engine import EngineCollector, EngineCounts
-from kvpool.pool import ChunkReservation, KVPool
-from kvpool.ssd.directio import AlignedBuffers
+from kvpool.pool import KVPool
 
 log = logging.getLogger("kvpool.integrations.sglang")
 
@@ -99,7 +99,6 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                                                      storage_config.tp_size))
         self.ns: Namespace | None = None
         self._copier: PageCopier | None = None
-        self._bufs: AlignedBuffers | None = None
         self._prefetch = self.pool.config.pool.prefetch_window_chunks
         self._counters = Counters(*COUNTERS)
         self._lock = threading.Lock()
@@ -119,7 +118,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ValueError(f"namespace chunks of {ns.chunk_bytes} bytes but pages of "
                              f"{geom.page_bytes}")
         self.pool.register_namespace(ns)
-        self._copier, self._bufs = PageCopier(geom), AlignedBuffers(ns.chunk_bytes)
+        self._copier = PageCopier(geom)
         self.ns = ns
         log.info("kvpool: SGLang rank tp%d/%d pp%d/%d namespace %s, %d-byte pages (%s)",
                  self.rank.tp_rank, self.rank.tp_size, self.rank.pp_rank, self.rank.pp_size,
@@ -192,38 +191,21 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _get_pages(self, ns: Namespace, keys: Sequence[str],
                    pages: list[Sequence[int]]) -> list[bool]:
-        assert self._copier is not None and self._bufs is not None
-        copier, kv_keys = self._copier, self._keys(ns, keys)
-        found = [False] * len(keys)
-        pins = self.pool.pin_many(ns, kv_keys, fetch=True)
-        try:
-            for i, pin in enumerate(pins):
-                if pin is not None:
-                    copier.scatter(pin.data, pages[i])
-                    found[i] = True
-        finally:
-            for pin in pins:
-                if pin is not None:
-                    pin.release()
-        rest = [i for i, pin in enumerate(pins) if pin is None]
-        if rest:  # no free DRAM slot for them: through staging buffers
-            bufs = [self._bufs.take() for _ in rest]
-            try:
-                got = self.pool.get_many_into(ns, [kv_keys[i] for i in rest], bufs)
-                for i, buf, hit in zip(rest, bufs, got, strict=True):
-                    if hit:
-                        copier.scatter(buf, pages[i])
-                        found[i] = True
-            finally:
-                for buf in bufs:
-                    self._bufs.give(buf)
-        return found
+        assert self._copier is not None
+        copier = self._copier
+        with self.pool.open_load(ns, self._keys(ns, keys)) as handle:
+            for src, page in zip(handle.sources, pages, strict=True):
+                if src is not None:
+                    copier.scatter(src, page)
+            return [src is not None for src in handle.sources]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        """Store the pages at ``host_indices``; per key True if it is stored (as
-        ``KVPool.put`` counts it) or already was. A rank that is not its group's writer (MLA)
-        stores nothing and reports True."""
+        """Store the pages at ``host_indices``; per key True if it was gathered into the pool
+        (its commit follows in the background; a failed commit is counted in the pool's
+        ``save_dropped_commit``) or already stored; False if dropped (no free slot, over
+        ``pool.save_budget_bytes``). A rank that is not its group's writer (MLA) stores
+        nothing and reports True."""
         ns = self._ready()
         if ns is None or not keys:
             return [False] * len(keys)
@@ -241,31 +223,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _set_pages(self, ns: Namespace, keys: Sequence[str],
                    pages: list[Sequence[int]]) -> list[bool]:
         assert self._copier is not None
+        gather = self._copier.gather
         kv_keys = self._keys(ns, keys)
         retain_for_save(self.pool, ns, kv_keys, retention_now(self.settings.retention))
-        done = [False] * len(keys)
-        slots: list[tuple[int, ChunkReservation]] = []
-        try:
-            # Never waits: every slot pinned by readers right now is a failed page.
-            for i, slot in enumerate(self.pool.reserve_many(ns, kv_keys, wait=False)):
-                if isinstance(slot, ChunkReservation):
-                    self._copier.gather(pages[i], slot.view)
-                    slots.append((i, slot))
-                else:
-                    done[i] = slot is True  # True: already stored
-            stored = self.pool.commit_many([s for _, s in slots]) if slots else 0
-        finally:
-            for _, slot in slots:
-                slot.abort()  # a no-op once committed
-        if slots:
-            if stored == len(slots):
-                for i, _ in slots:
-                    done[i] = True
-            else:  # which ones: ask the tiers
-                held = self.pool.contains_many(ns, [kv_keys[i] for i, _ in slots])
-                for (i, _), ok in zip(slots, held, strict=True):
-                    done[i] = ok
-        self._counters.add_many({"set_pages": len(keys), "stored_pages": len(slots),
+        ticket = self.pool.save(ns, kv_keys, lambda i, slot: gather(pages[i], slot))
+        done = ticket.taken
+        self._counters.add_many({"set_pages": len(keys),
+                                 "stored_pages": sum(done) - ticket.present,
                                  "failed_set_pages": done.count(False)})
         return done
 

@@ -30,8 +30,7 @@ class ConnectorCounters:
     lookups: int = 0
     lookup_chunks: int = 0  # whole chunks of the prompts looked up
     lookup_hit_chunks: int = 0
-    lookup_unsaved_chunks: int = 0  # of those, handed to the committer but not yet committed
-    load_commit_timeouts: int = 0  # loads that waited lookup_timeout_s for a commit
+    lookup_unsaved_chunks: int = 0  # of those, still being saved (not yet committed)
     load_wait_us: int = 0  # engine thread time waiting for reads and copying pages in
     save_gather_us: int = 0  # engine thread time gathering pages to store
     pins_refused: int = 0  # saves whose pins the pool refused (pool.max_pinned_fraction)

@@ -3,9 +3,10 @@
 This process owns the embedded :class:`~kvpool.pool.KVPool` (see ``lookup.py`` for why) and
 serves the scheduler's lookups.
 
-* **Load** (``start_load``): a background job reads every chunk of the step's loads from the
-  pool (DRAM-resident chunks are pinned and read in place, the rest read into staging, SSD
-  reads in parallel and checksummed). ``wait_layer`` waits for those reads, then copies only
+* **Load** (``start_load``): a background job makes every chunk of the step's loads readable
+  (``KVPool.open_load``: DRAM-resident chunks pinned in place, the rest read into DRAM slots
+  or the pool's staging, SSD reads in parallel and checksummed; chunks still being saved
+  waited for, ``pool.save_commit_wait_s``). ``wait_layer`` waits for those reads, then copies only
   its own layer's pages, right before that layer's attention: layer l never waits for the
   copies of layer l+1. (The copies run on the engine's thread: on CPU a copy thread would
   only contend for the same cores and the GIL; on an accelerator they are one host-to-device
@@ -14,9 +15,9 @@ serves the scheduler's lookups.
   recomputes them, and the request's saves in that step are dropped (they would hold KV
   computed on top of a bad prefix).
 * **Save** (``save_layer``, ``end_step``): see ``saves.py``: pages are gathered layer by layer
-  straight into reserved DRAM slots and committed by one background thread; a chunk handed
-  over is visible to lookups at once and a load of it waits for its commit (bounded by
-  ``lookup_timeout_s``).
+  straight into DRAM slots of ``KVPool.begin_save`` and committed by the pool's save thread;
+  a chunk handed over is visible to lookups at once and a load of it waits for its commit
+  (the pool's read-your-writes, bounded by ``pool.save_commit_wait_s``).
 
 Failure contract: loads and saves never raise into the engine for pool faults (a failed load
 is reported blocks, a failed save a counted drop). Misuse raises: ValueError from
@@ -47,20 +48,18 @@ from kvpool.integrations.vllm.stats import StatsWriter
 from kvpool.keys import Namespace
 from kvpool.metrics.engine import EngineCollector
 from kvpool.pool import KVPool
-from kvpool.ssd.directio import AlignedBuffers
-from kvpool.tiers.dram import PinnedView
+from kvpool.saves import LoadHandle
 
 log = logging.getLogger("kvpool.integrations.vllm")
 
 
 class _Fetched:
     """A step's loads once read: per chunk (pages, source page index or None for all,
-    destination blocks), plus the pins and staging buffers to release after the copies."""
+    destination blocks), plus the pool's load handle to release after the copies."""
 
     def __init__(self) -> None:
         self.copies: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
-        self.pins: list[PinnedView | None] = []
-        self.bufs: list[np.ndarray] = []
+        self.handle: LoadHandle | None = None
 
 
 class WorkerSide:
@@ -79,7 +78,6 @@ class WorkerSide:
         self._kv: dict[str, torch.Tensor] = {}
         self._layer_pos: dict[str, int] = {}
         self._geom: PageGeometry | None = None
-        self._bufs: AlignedBuffers | None = None
         stats_path = settings.stats_path
         if stats_path and tp_rank > 0:
             stats_path = f"{stats_path}.tp{tp_rank}"
@@ -109,7 +107,6 @@ class WorkerSide:
         self._kv = views
         self._geom, self.ns = geom, ns
         self._layer_pos = {name: i for i, name in enumerate(geom.layer_names)}
-        self._bufs = AlignedBuffers(ns.chunk_bytes)
         self._saves = Saves(self.pool, ns, self.tp_rank, self.stats, self._pages)
         self.server = LookupServer(self._lookup)
         self.stats.set_info("namespace", ns.canonical())
@@ -123,15 +120,11 @@ class WorkerSide:
         # The load follows within a step or two: the first prefetch_window chunks found only
         # on SSD / the nodes start moving up into DRAM now (the load waits for that move
         # rather than reading them a second time).
-        stored = hits = self.pool.lookup(self.ns, keys, prefetch=self._prefetch_chunks)
-        while hits < len(keys):  # read-your-writes: chunks handed to the committer count
-            more = self._saves.extend_run(keys, hits)
-            if not more:
-                break
-            hits += more
-            hits += self.pool.lookup(self.ns, keys[hits:]) if hits < len(keys) else 0
+        # (chunks still being saved count: the pool's read-your-writes)
+        hits = self.pool.lookup(self.ns, keys, prefetch=self._prefetch_chunks)
+        unsaved = sum(self.pool.saving_many(self.ns, keys[:hits])) if hits else 0
         self.stats.add(lookups=1, lookup_chunks=len(keys), lookup_hit_chunks=hits,
-                       lookup_unsaved_chunks=hits - stored)
+                       lookup_unsaved_chunks=unsaved)
         return hits
 
     def _pages(self, buf: np.ndarray | memoryview) -> torch.Tensor:
@@ -155,31 +148,18 @@ class WorkerSide:
         self._fetch = self._loader.submit(self._fetch_job, list(loads))
 
     def _fetch_job(self, loads: list[ReqTransfer]) -> _Fetched:
-        """Read every chunk (DRAM-resident ones pinned in place, the rest into staging), then
-        decide per request how far its load is good. Never raises: faults become failed
-        blocks."""
-        assert self.ns is not None and self._bufs is not None
+        """Make every chunk readable (``KVPool.open_load``), then decide per request how far
+        its load is good. Never raises: faults become failed blocks."""
+        assert self.ns is not None
         fetched = _Fetched()
         chunks = [c for r in loads for c in r.chunks]
         keys = [c.keys[self.tp_rank] for c in chunks]
-        if self._saves is not None and not self._saves.wait_committed(
-                keys, self.settings.lookup_timeout_s):
-            self.stats.add(load_commit_timeouts=1)  # those chunks miss: vLLM recomputes them
         sources: list[torch.Tensor | None] = [None] * len(chunks)
         try:
-            # chunks on SSD (or the nodes) are read straight into DRAM slots and pinned:
-            # that read is their promotion too
-            fetched.pins = self.pool.pin_many(self.ns, keys, fetch=True)
-            for i, pin in enumerate(fetched.pins):
-                if pin is not None:
-                    sources[i] = self._pages(pin.data)
-            rest = [i for i, pin in enumerate(fetched.pins) if pin is None]
-            fetched.bufs = [self._bufs.take() for _ in rest]
-            got = self.pool.get_many_into(self.ns, [keys[i] for i in rest], fetched.bufs) \
-                if rest else []
-            for i, buf, hit in zip(rest, fetched.bufs, got, strict=True):
-                if hit:
-                    sources[i] = self._pages(buf)
+            fetched.handle = self.pool.open_load(self.ns, keys)
+            for i, view in enumerate(fetched.handle.sources):
+                if view is not None:
+                    sources[i] = self._pages(view)
         except Exception:
             log.exception("kvpool load failed; the blocks will be recomputed")
             sources = [None] * len(chunks)
@@ -242,16 +222,12 @@ class WorkerSide:
         self._fetch, self._fetch_result = None, None
         if fetched is None:
             return
-        assert self._bufs is not None
         try:
             for pos in range(len(self._copied)):
                 self._copy_layer(fetched, pos)
         finally:
-            for pin in fetched.pins:
-                if pin is not None:
-                    pin.release()
-            for buf in fetched.bufs:
-                self._bufs.give(buf)
+            if fetched.handle is not None:
+                fetched.handle.release()
 
     def take_load_errors(self) -> set[int]:
         self._finish_load()
@@ -272,8 +248,8 @@ class WorkerSide:
         self.stats.add(save_gather_us=int((time.perf_counter() - start) * 1e6))
 
     def end_step(self) -> None:
-        """After the forward: hand every fully gathered chunk to the committer; drop the rest
-        (a step that skipped layers). Never waits for the pool."""
+        """After the forward: commit every fully gathered request (the pool's save thread);
+        drop the rest (a step that skipped layers). Never waits for the pool."""
         self._finish_load()
         if self._saves is not None:
             self._saves.end_step(len(self._layer_pos), self._failed_reqs)
