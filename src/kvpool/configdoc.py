@@ -136,8 +136,9 @@ LOG_EVENTS_SECTION = [
     "| `no_uvloop` | warning | kvpool.serve | uvloop is not installed (the `[server]` extra): "
     "the node serves on asyncio's default loop |",
     "| `metrics_listening` | info | kvpool.metrics.http | `port` |",
-    "| `events_listening` | info | kvpool.events.publisher | `endpoint`, `replay_endpoint`, "
-    "`node`, `incarnation`: KV events are published (docs/routing.md) |",
+    "| `events_listening` | debug | kvpool.events.publisher | `endpoint`, `replay_endpoint`, "
+    "`node`, `incarnation`: KV events are published (docs/routing.md; a node's "
+    "`GET /events` answers them too) |",
     "| `events_failed` | warning | kvpool.events.publisher | `held_back`: a send or a replay "
     "request failed (a sequence gap for consumers); rate-limited |",
     "| `events_unavailable` | warning | kvpool.events.attach | pyzmq or msgspec is missing "

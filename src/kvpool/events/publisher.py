@@ -120,11 +120,11 @@ class EventPublisher:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
         self._thread.start()
-        log.info("kv events on %s (replay %s), node %s, incarnation %s", self.endpoint,
-                 self.replay_endpoint, node, self.incarnation,
-                 extra={"event": "events_listening", "endpoint": self.endpoint,
-                        "replay_endpoint": self.replay_endpoint, "node": node,
-                        "incarnation": self.incarnation})
+        log.debug("kv events on %s (replay %s), node %s, incarnation %s", self.endpoint,
+                  self.replay_endpoint, node, self.incarnation,
+                  extra={"event": "events_listening", "endpoint": self.endpoint,
+                         "replay_endpoint": self.replay_endpoint, "node": node,
+                         "incarnation": self.incarnation})
 
     def sink(self, medium: str) -> _MediumSink:
         """The TierEvents a tier of ``medium`` calls."""
