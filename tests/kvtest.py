@@ -190,3 +190,24 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait()
         self._reader.join(timeout=10)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped (state T): kill()
+    returns before the group stop reaches each thread, and a thread woken by data in that
+    window could still answer. AssertionError if they are not all stopped in ``timeout``."""
+    import os
+    import signal
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: thread states {states}"
+        time.sleep(0.005)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvtest import wait_for
+from kvtest import stop_process, wait_for
 from node_process import NodeProcess
 
 from kvpool.config import ClusterConfig
@@ -22,7 +22,7 @@ from kvpool.net.client import ClusterClient
 def pause(proc: NodeProcess) -> None:
     """SIGSTOP: the node stays registered and its sockets accept, but nothing answers."""
     assert proc.proc is not None
-    os.kill(proc.proc.pid, signal.SIGSTOP)
+    stop_process(proc.proc.pid)
 
 
 def resume(proc: NodeProcess) -> None:

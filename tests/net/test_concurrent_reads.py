@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, payload_for, wait_for
+from kvtest import byte_namespace, payload_for, stop_process, wait_for
 from node_process import NodeProcess
 
 from kvpool.config import ClusterConfig
@@ -127,7 +127,7 @@ def test_a_connection_to_a_paused_node_times_out(tmp_path: Path) -> None:
         ns = byte_namespace(4096, salt="hung")
         key = os.urandom(16)
         assert conn.put(ns, [key], [payload_for(key, 4096)]) == 1
-        os.kill(node.proc.pid, signal.SIGSTOP)
+        stop_process(node.proc.pid)
         raised: list[BaseException] = []
 
         def read() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtest import byte_namespace, payload_for
+from kvtest import byte_namespace, payload_for, stop_process
 from node_process import NodeProcess
 
 from kvpool.bench.certs import Certs, make_certs
@@ -192,8 +192,8 @@ def test_a_stopped_tls_node_times_out_not_hangs(tmp_path: Path, certs: Certs) ->
         conn = open_connection(node.address, request_timeout=1.0,
                                tls=client_tls(client_cfg(node, certs.ca).tls))
         assert node.proc is not None
-        node.proc.send_signal(signal.SIGSTOP)
         try:
+            stop_process(node.proc.pid)
             started = time.monotonic()
             with pytest.raises(TimeoutError, match="moved nothing"):
                 conn.ping()
