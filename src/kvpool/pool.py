@@ -526,14 +526,15 @@ class KVPool:
     def _make_ssd_room(self, items: Sequence[tuple[bytes, Namespace, memoryview]]) -> None:
         """Before ``items`` go to the SSD: delete the oldest SSD chunks of each tenant the
         writes would take past its SSD quota (``pool.tenant_quotas``; its own, never
-        another's). The write-behind queue's copy is discarded, the SSD's record gets a
-        tombstone; a DRAM copy keeps serving. Never raises for a closed SSD."""
+        another's). The write-behind queue drops its copy (one being written lands first,
+        so the tombstone follows it), the SSD's record gets a tombstone; a DRAM copy keeps
+        serving. Never raises for a closed SSD."""
         ssd, staging = self._stack.ssd, self._stack.drain_staging
         assert ssd is not None
         for key, ns, view in items:
             for old, old_ns in self.quotas.make_ssd_room(ns, key, view.nbytes):
-                if staging is not None:
-                    staging.discard(old)
+                if staging is not None:  # a copy being written lands before the tombstone
+                    staging.delete(old, old_ns)
                 with contextlib.suppress(PoolClosedError):
                     ssd.delete(old, old_ns)
 
