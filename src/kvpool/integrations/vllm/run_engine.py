@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -95,6 +96,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     stats = None
     if os.path.exists(stats_path):
         stats = json.loads(Path(stats_path).read_text())
+    shutil.rmtree(stats_dir, ignore_errors=True)
     return {"outputs": outputs, "connector_stats": stats, "engine": engine}
 
 
