@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	bash scripts/vllm-env.sh
 	bash scripts/sglang-env.sh
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # The fast loop: no etcd, Redis, vLLM venv or SmolLM2 (those tests are marked `external` in
 # tests/conftest.py) and no `slow` torture tests; `make test` runs all of them.
