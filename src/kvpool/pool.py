@@ -306,19 +306,17 @@ class KVPool:
         timings: list[tuple[int, float]] = []
         book = self.retention
         front = self._front
-        if front is not None and self._stack.ack is None and any(
-                isinstance(t, WriteBehind) and t.max_pinned for _, t in self._through) \
-                and not len(book) and self._ssd_gate is None:
-            return self._store_dram_first(front, items, started, timings)
         lower = [(k, ns, v) for k, ns, v, _ in items]
         ephemeral = [book.ephemeral(k) for k, _, _ in lower] if len(book) else None
         if ephemeral is not None and any(ephemeral):  # DRAM only: never below it
             lower = [item for item, e in zip(lower, ephemeral, strict=True) if not e]
+        if front is not None and self._stack.ack is None and any(
+                isinstance(t, WriteBehind) and t.max_pinned for _, t in self._through):
+            self._gate_ssd_writes(lower)
+            return self._store_dram_first(front, items, ephemeral, started, timings)
         on_lower = [False] * len(items)
         acked = on_lower
-        if self._ssd_gate is not None and lower and any(
-                t is self._stack.ssd or t is self._stack.drain_staging for _, t in self._through):
-            self._ssd_gate(lower)
+        self._gate_ssd_writes(lower)
         for index, tier in self._through:
             tier_started = perf_counter()
             flags = tier.put_many(lower)
@@ -350,14 +348,24 @@ class KVPool:
             latency.record_at("put", now - started, timings)
         return sum(acked if self.durable_puts else held)
 
+    def _gate_ssd_writes(self, lower: Sequence[tuple[bytes, Namespace, memoryview]]) -> None:
+        """Before ``lower`` (the chunks bound below DRAM) reach a write-through SSD tier:
+        make room under each tenant's SSD quota (``_make_ssd_room``). Nothing to do
+        without quotas or without such a tier."""
+        if self._ssd_gate is not None and lower and any(
+                t is self._stack.ssd or t is self._stack.drain_staging for _, t in self._through):
+            self._ssd_gate(lower)
+
     def _store_dram_first(self, front: DramTier,
                           items: Sequence[tuple[bytes, Namespace, memoryview,
                                                 SlotReservation | None]],
+                          ephemeral: Sequence[bool] | None,
                           started: float, timings: list[tuple[int, float]]) -> int:
         """``_store`` of a cache-mode pool whose write-through queue takes pinned slots:
         publish in DRAM, then hand each queue the chunk's slot, pinned (a chunk DRAM did not
         take, or one over the queue's pinned budget, is offered as a copy), then mark what a
-        queue took as held below. Counts as ``_store``."""
+        queue took as held below. An ``ephemeral`` chunk stays in DRAM only. Counts as
+        ``_store``."""
         latency = self._latency
         front_started = perf_counter()
         held = [slot.commit() if slot is not None else front.put(key, ns, view)
@@ -369,6 +377,8 @@ class KVPool:
         for index, tier in self._through:
             tier_started = perf_counter()
             for i, (key, ns, view, slot) in enumerate(items):
+                if ephemeral is not None and ephemeral[i]:
+                    continue
                 found = front.view_to_copy(key) if held[i] else None  # no read counted
                 pin = found[2] if found is not None else None
                 if pin is not None and found is not None and found[0].id != ns.id:
