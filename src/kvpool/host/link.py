@@ -54,8 +54,10 @@ class Link:
                 with contextlib.suppress(OSError):
                     socket.close(fd)
             self.sock.close()
-            raise AttachError(f"host pool at {host.socket} refused the attach: "
-                              f"{meta.get('error', 'no arena sent')}")
+            error = str(meta.get("error", "no arena sent"))
+            if error.startswith("busy:"):  # host.max_connections: try again later
+                raise Detached(f"the host pool at {host.socket} is busy: {error}")
+            raise AttachError(f"host pool at {host.socket} refused the attach: {error}")
         self.tenant = str(meta["tenant"])
         self.durable = bool(meta.get("durable"))
         self.arena_bytes = int(meta["arena_bytes"])

@@ -7,9 +7,14 @@ allowed (tenants.peer_allowed), then its HELLO's token must name its tenant
 (tenants.tenant_for); only then is the tenant's arena sent, as a file descriptor. A refused
 attach is answered ``ok: false`` with the reason and closed.
 
-Failure contract: a connection that breaks the format, goes silent mid-frame, or whose peer
-dies (SIGKILL included) is closed and its session released (pins, reservations); nothing
-else notices. ``stop`` closes the listener, every connection and every tenant's pool (the
+Failure contract: a connection that breaks the format, goes silent mid-frame (a large
+frame's body must arrive within host.request_timeout_s), or whose peer dies (SIGKILL
+included) is closed and its session released (pins, reservations); nothing else notices.
+Greedy peers are bounded: connections past host.max_connections are answered busy and
+closed; large frames past host.max_receive_bytes (over every connection) close their
+connection; out of descriptors, the accept thread backs off until one is freed.
+
+``stop`` closes the listener, every connection and every tenant's pool (the
 write-behind queues drain to SSD); the socket file is removed. A host pool killed -9 leaves
 its socket file behind: the next start finds nobody answering on it and replaces it.
 """
@@ -23,6 +28,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from pathlib import Path
 
 from kvpool.config import Config
@@ -66,6 +72,11 @@ def _claim_socket_path(path: Path) -> None:
     raise HostStartError(f"host.socket={path}: another host pool is listening there")
 
 
+def _hello_is_small(size: int) -> None:
+    """``recv_frame``'s admit before an attach: a HELLO is a few hundred bytes."""
+    raise wire.WireError(f"a {size}-byte message before the attach (a hello is small)")
+
+
 class HostServer:
     """Listens on ``config.host.socket``. Raises HostStartError (socket taken, no DRAM),
     OSError (cannot bind)."""
@@ -88,6 +99,10 @@ class HostServer:
         self.listener.listen(128)
         self._connections: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
+        self._receiving = 0  # bytes of large frames admitted (host.max_receive_bytes)
+        self._warned: dict[str, float] = {}
+        self.refused_busy = 0  # connections past host.max_connections
+        self.refused_frames = 0  # large frames past host.max_receive_bytes
         self._stopped = threading.Event()
         self._accepter = threading.Thread(target=self._accept_loop, name="kvpool-host-accept",
                                           daemon=True)
@@ -101,15 +116,65 @@ class HostServer:
         return "stopping" if self._stopped.is_set() else None
 
     def _accept_loop(self) -> None:
+        host = self.config.host
         while not self._stopped.is_set():
             try:
                 conn, _ = self.listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._stopped.is_set():
                     return
+                # Out of descriptors (or memory): the pending connection waits in the
+                # backlog; back off instead of spinning on accept until one is freed.
+                self._warn("accept_failed", f"accept failed: {exc}; retrying")
+                self._stopped.wait(0.05)
+                continue
+            with self._lock:
+                busy = len(self._connections) >= host.max_connections
+                if not busy:
+                    self._connections[conn.fileno()] = conn
+            if busy:
+                self._refuse_busy(conn)
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="kvpool-host-conn",
                              daemon=True).start()
+
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        """A connection past host.max_connections: ``ok: false`` (busy), closed at once."""
+        self.refused_busy += 1
+        limit = self.config.host.max_connections
+        error = f"busy: the host pool serves host.max_connections={limit}"
+        self._warn("connections_busy", f"connection refused: {error}")
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)  # a peer that does not read cannot hold the accept thread
+            wire.send_frame(conn, {"ok": False, "error": error})
+        conn.close()
+
+    def _warn(self, event: str, message: str) -> None:
+        """One warning per event per 10 s: a flood must not flood the log as well."""
+        now = time.monotonic()
+        if now - self._warned.get(event, -1e9) >= 10.0:
+            self._warned[event] = now
+            log.warning(message, extra={"event": event})
+
+    def _admit(self, size: int) -> None:
+        """Take ``size`` bytes of host.max_receive_bytes for a large frame; WireError when
+        they are not there (the frame's connection is closed)."""
+        with self._lock:
+            if self._receiving + size > self.config.host.max_receive_bytes:
+                self.refused_frames += 1
+                refused = True
+            else:
+                self._receiving += size
+                refused = False
+        if refused:
+            self._warn("receive_busy", f"a {size}-byte message was refused: "
+                       "host.max_receive_bytes is taken; its connection is closed")
+            raise wire.WireError(f"busy: no room for a {size}-byte message "
+                                 "(host.max_receive_bytes)")
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._receiving -= size
 
     def _attach(self, conn: socket.socket) -> Session | None:
         """The HELLO exchange; None (answered and to be closed) when refused."""
@@ -117,7 +182,7 @@ class HostServer:
         conn.settimeout(host.request_timeout_s)
         pid, uid, _ = peer_credentials(conn)
         try:
-            meta, _, _ = wire.recv_frame(conn, 0)
+            meta, _, _ = wire.recv_frame(conn, 0, admit=_hello_is_small)
             if not peer_allowed(self.config, uid):
                 raise AttachRefused(f"uid {uid} may not attach (host.allowed_uids)")
             if meta.get("op") != wire.HELLO:
@@ -141,19 +206,32 @@ class HostServer:
         return Session(pool, host.max_held, host.max_frame_bytes)
 
     def _serve(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._connections[conn.fileno()] = conn
+        host = self.config.host
         session: Session | None = None
+        taken = 0
+
+        def admit(size: int) -> None:
+            nonlocal taken
+            self._admit(size)
+            taken = size
+
         try:
             session = self._attach(conn)
             while session is not None and not self._stopped.is_set():
-                meta, tail, _ = wire.recv_frame(conn, self.config.host.max_frame_bytes)
+                meta, tail, _ = wire.recv_frame(conn, host.max_frame_bytes, admit=admit,
+                                                body_timeout_s=host.request_timeout_s)
                 answer = session.handle(meta, tail)
+                del tail
+                if taken:
+                    self._release(taken)
+                    taken = 0
                 if answer is not None:
                     wire.send_frame(conn, answer[0], answer[1])
         except (OSError, ConnectionError):
-            pass  # the engine went away (or broke the format): its session dies with it
+            pass  # the engine went away (or broke the format, or stalled mid-message)
         finally:
+            if taken:
+                self._release(taken)
             if session is not None:
                 session.close()
             with self._lock:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.keys import KEY_BYTES
@@ -107,9 +107,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_frame(sock: socket.socket, max_tail: int,
-               want_fds: int = 0) -> tuple[dict[str, Any], bytearray, list[int]]:
-    """One frame: (metadata, tail, file descriptors received with it)."""
+#: A frame larger than this (metadata + tail) is "large": ``recv_frame``'s ``admit`` is asked
+#: for its bytes and its body must arrive within ``body_timeout_s``.
+LARGE_FRAME = 64 << 10
+
+
+def recv_frame(sock: socket.socket, max_tail: int, want_fds: int = 0,
+               admit: Callable[[int], None] | None = None,
+               body_timeout_s: float | None = None
+               ) -> tuple[dict[str, Any], bytearray, list[int]]:
+    """One frame: (metadata, tail, file descriptors received with it). For a large frame
+    (over ``LARGE_FRAME``), ``admit(size)`` is called before its body is read (it raises,
+    e.g. WireError, to refuse it; the caller gives the bytes back once it is done with the
+    frame) and, with ``body_timeout_s``, a body that does not arrive in time is TimeoutError."""
     fds: list[int] = []
     if want_fds:
         head, fds, _, _ = socket.recv_fds(sock, HEADER.size, want_fds)
@@ -123,8 +133,20 @@ def recv_frame(sock: socket.socket, max_tail: int,
     if meta_len > MAX_META_BYTES or tail_len > max_tail:
         raise WireError(f"frame of {meta_len} + {tail_len} bytes exceeds the limits "
                         f"({MAX_META_BYTES} + {max_tail})")
-    body = _recv_exact(sock, meta_len)
-    tail = _recv_exact(sock, tail_len) if tail_len else bytearray()
+    large = meta_len + tail_len > LARGE_FRAME
+    if large and admit is not None:
+        admit(meta_len + tail_len)
+    if large and body_timeout_s is not None:
+        idle = sock.gettimeout()
+        sock.settimeout(body_timeout_s)
+        try:
+            body = _recv_exact(sock, meta_len)
+            tail = _recv_exact(sock, tail_len) if tail_len else bytearray()
+        finally:
+            sock.settimeout(idle)
+    else:
+        body = _recv_exact(sock, meta_len)
+        tail = _recv_exact(sock, tail_len) if tail_len else bytearray()
     try:
         meta = json.loads(body)
     except ValueError as exc:
