@@ -32,10 +32,17 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvpool import saves as pipeline
 from kvpool.buffers import byte_view
-from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
+from kvpool.checks import (
+    NO_KEYS,
+    check_key,
+    check_namespace_type,
+    check_registered,
+    check_same_length,
+    check_size,
+)
 from kvpool.config import Config, load_config
 from kvpool.counters import Counters
-from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
+from kvpool.errors import ArgumentError, PoolClosedError
 from kvpool.host import wire
 from kvpool.host.link import AttachError, Detached, Link
 from kvpool.keys import Namespace
@@ -210,15 +217,9 @@ class AttachedPool:
         if self._closed:
             raise PoolClosedError("KVPool is closed")
 
-    def _registered(self, ns: Namespace, keys: Sequence[bytes] | None = None) -> Namespace:
-        self._check_open()
-        check_namespace_type(ns)
-        if ns.id not in self._namespaces:
-            raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
-                                        "registered; call register_namespace first")
-        if keys is not None:
-            check_keys(keys)
-        return ns
+    def _registered(self, ns: Namespace, keys: Sequence[bytes] | object = NO_KEYS) -> Namespace:
+        """``check_registered`` against this pool (as KVPool's)."""
+        return check_registered(self._closed, self._namespaces, ns, keys)
 
     def _ask(self, op: str, ns: Namespace, keys: Sequence[bytes],
              **extra: Any) -> tuple[Link, dict[str, Any], bytearray] | None:
