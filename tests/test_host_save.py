@@ -5,13 +5,14 @@ killed -9 costs misses and dropped saves, never an error or a hang."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from host_child import chunks, namespace
-from host_support import engine_config, host_config, run_child, start_host, write_config
+from host_support import child, engine_config, host_config, run_child, start_host, write_config
 from kvtest import wait_for
 
 from kvpool.config import config_from_dict
@@ -127,3 +128,32 @@ def test_one_process_saves_another_loads_then_the_host_pool_killed_costs_only_mi
         host.stop()
         if server is not None:
             server.stop()
+
+
+def test_an_engine_killed_mid_save_is_no_longer_waited_for(tmp_path: Path) -> None:
+    data = host_config(tmp_path)
+    server = HostServer(config_from_dict(data)).start()
+    pool = AttachedPool(engine_config(data))
+    proc = child("saving", write_config(tmp_path, data, "engine.yaml"), 5, 3)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline()) == {"holding": True, "reserved": 3}
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 5, 3)
+        assert pool.lookup(ns, keys) == 3  # being saved by the child
+        proc.kill()
+        proc.wait(30)
+        # its reservations and their marks died with its connection: misses, free slots
+        wait_for(lambda: pool.lookup(ns, keys) == 0, 20, "the dead engine's save ended")
+        with pool.open_load(ns, keys) as handle:
+            assert handle.loaded == 0
+        ticket = pool.save(ns, keys, _fill(datas))
+        assert ticket.wait(10) and ticket.stored == 3
+        outs = [np.zeros_like(d) for d in datas]
+        assert _load(pool, ns, keys, outs) == 3
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pool.close()
+        server.stop()
