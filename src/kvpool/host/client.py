@@ -26,18 +26,38 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.registry import CollectorRegistry
 
+from kvpool import saves as pipeline
 from kvpool.buffers import byte_view
-from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
+from kvpool.checks import (
+    NO_KEYS,
+    check_key,
+    check_namespace_type,
+    check_registered,
+    check_same_length,
+    check_size,
+)
 from kvpool.config import Config, load_config
 from kvpool.counters import Counters
-from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
+from kvpool.errors import ArgumentError, PoolClosedError
 from kvpool.host import wire
 from kvpool.host.link import AttachError, Detached, Link
 from kvpool.keys import Namespace
+from kvpool.retention import Retention
+from kvpool.saves import (
+    Fill,
+    LoadHandle,
+    Pinned,
+    SaveBatch,
+    SavePipeline,
+    SaveTicket,
+    Scatter,
+    _Deferred,
+    stats_of,
+)
 
 log = logging.getLogger("kvpool.host")
 
@@ -115,6 +135,13 @@ class AttachedPool:
                                   "detached_drops", "misses", "dram_hits", "fallback_hits")
         self.metrics = CollectorRegistry(auto_describe=False)
         self.metrics_url: str | None = None
+        pool = self.config.pool
+        #: This engine's saves: its budget, its committer, its read-your-writes (the host
+        #: pool marks a save's chunks from their reservation on, for every engine).
+        self._saves = SavePipeline(
+            lambda r: self.commit_many(cast("list[AttachedReservation]", r)),
+            self._run_deferred, pool.save_budget_bytes, pool.save_commit_wait_s,
+            pool.background_nice)
         self._link(raise_refused=True)
 
     # ------------------------------------------------------------------ the link
@@ -190,15 +217,9 @@ class AttachedPool:
         if self._closed:
             raise PoolClosedError("KVPool is closed")
 
-    def _registered(self, ns: Namespace, keys: Sequence[bytes] | None = None) -> Namespace:
-        self._check_open()
-        check_namespace_type(ns)
-        if ns.id not in self._namespaces:
-            raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
-                                        "registered; call register_namespace first")
-        if keys is not None:
-            check_keys(keys)
-        return ns
+    def _registered(self, ns: Namespace, keys: Sequence[bytes] | object = NO_KEYS) -> Namespace:
+        """``check_registered`` against this pool (as KVPool's)."""
+        return check_registered(self._closed, self._namespaces, ns, keys)
 
     def _ask(self, op: str, ns: Namespace, keys: Sequence[bytes],
              **extra: Any) -> tuple[Link, dict[str, Any], bytearray] | None:
@@ -244,7 +265,14 @@ class AttachedPool:
         """As KVPool's (True: already stored; False: dropped). The host pool may wait for a
         slot up to its dram.put_wait_s whatever ``wait`` says. Detached: all False."""
         self._registered(ns, keys)
-        asked = self._ask(wire.RESERVE, ns, keys)
+        return self._reserve(ns, keys, wait)
+
+    def _reserve(self, ns: Namespace, keys: Sequence[bytes], wait: bool,
+                 save: bool = False) -> list[AttachedReservation | bool | None]:
+        """``reserve_many`` after its checks; ``save``: the host pool counts the chunks as
+        being saved (every engine's lookups count them, reads wait for their commit) until
+        they are committed or aborted."""
+        asked = self._ask(wire.RESERVE, ns, keys, wait=wait, save=save)
         if asked is None:
             self._miss(len(keys), "detached_drops")
             return [False] * len(keys)
@@ -282,6 +310,96 @@ class AttachedPool:
             stored += int(meta["n"])
         return stored
 
+    # ------------------------------------------------------------------ save / load
+    def retain(self, ns: Namespace, keys: Sequence[bytes],
+               retention: Retention | None) -> None:
+        """Record ``retention`` for ``keys`` in the host pool (as KVPool.retain: raises
+        PinLimitError for pins past the host's bound); nothing to do for None. Detached:
+        nothing recorded (the save that follows is dropped anyway)."""
+        if retention is None:
+            return
+        self._registered(ns, keys)
+        self._ask(wire.RETAIN, ns, keys, retention=retention.to_mapping())
+
+    def release(self, session: str, delete: bool = False) -> int:
+        """As KVPool.release, in the host pool (this engine's tenant); 0 while detached."""
+        self._check_open()
+        if not isinstance(session, str) or not session:
+            raise ArgumentError(f"session must be a non-empty string, got {session!r}")
+        link = self._link()
+        if link is None:
+            return 0
+        try:
+            meta, _ = link.call({"op": wire.RELEASE, "session": session, "delete": delete})
+        except Detached:
+            return 0
+        return int(meta["n"])
+
+    def saving_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: is this engine saving it (handed to its committer, not yet published)?"""
+        self._registered(ns, keys)
+        return self._saves.saving(ns.id, keys)
+
+    def begin_save(self, ns: Namespace, keys: Sequence[bytes],
+                   retention: Retention | None = None) -> SaveBatch:
+        """As KVPool.begin_save: slots of the host's arena, reserved without waiting,
+        filled in place through the mapping, committed by this engine's committer (one
+        request per batch). One difference: the host pool counts the chunks as being saved
+        from their reservation on (not from ``commit()``), so every engine's lookups see
+        them once this returns and their reads wait for the commit (at most
+        ``pool.save_commit_wait_s``); an abort, or this engine's death, ends that. Detached:
+        every chunk is a counted drop (``save_dropped_no_slot`` and ``detached_drops``)."""
+        self._registered(ns, keys)
+        self.retain(ns, keys, retention)
+        return pipeline.begin_save(self, self._saves, ns, list(keys))
+
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
+             defer: bool = False, retention: Retention | None = None) -> SaveTicket:
+        """As KVPool.save (same ticket, same ``defer``, same faults)."""
+        self._registered(ns, keys)
+        self.retain(ns, keys, retention)
+        if not defer:
+            return pipeline.save_inline(self, self._saves, ns, list(keys), fill)
+        ticket = SaveTicket(keys, 0)
+        self._saves.defer(_Deferred(ns, list(keys), fill, ticket))
+        return ticket
+
+    def _run_deferred(self, job: _Deferred) -> int:
+        return pipeline.run_deferred(self, self._saves, job, self._closed)
+
+    def reserve_for_save(self, ns: Namespace, keys: Sequence[bytes],
+                         saving: bool) -> list[AttachedReservation | bool | None]:
+        """The save pipeline's reservation (``saves.SaveSide``): chunks this engine is
+        saving count as stored (with ``saving``), the host is asked for the rest."""
+        local = self._saves.saving(ns.id, keys) if saving else [False] * len(keys)
+        todo = [i for i, flag in enumerate(local) if not flag]
+        out: list[AttachedReservation | bool | None] = [True] * len(keys)
+        if todo:
+            got = self._reserve(ns, [keys[i] for i in todo], False, save=True)
+            for i, r in zip(todo, got, strict=True):
+                out[i] = r
+        return out
+
+    def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle:
+        """As KVPool.open_load: this engine's saves of ``keys`` are waited for (the host
+        pool waits for other engines'), the chunks are pinned in the host's arena (fetched
+        from its lower tiers first) and read in place through the mapping. Detached: all
+        misses (``loaded`` 0)."""
+        self._registered(ns, keys)
+        return pipeline.open_load(self, self._saves, ns, list(keys))
+
+    def load(self, ns: Namespace, keys: Sequence[bytes], scatter: Scatter) -> int:
+        """As KVPool.load: ``scatter(i, view)`` over the leading run, straight from the
+        mapped arena; returns the run's length."""
+        return pipeline.load(self.open_load(ns, keys), scatter)
+
+    def pin_for_load(self, ns: Namespace, keys: Sequence[bytes]) -> list[Pinned | None]:
+        return list(self._pin_many(ns, keys, True))
+
+    def read_for_load(self, ns: Namespace, keys: Sequence[bytes],
+                      views: list[memoryview]) -> list[bool]:
+        return self._get_many_into(ns, keys, views)
+
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
         return self.get_many_into(ns, [key], [out])[0]
@@ -295,6 +413,12 @@ class AttachedPool:
         views = [byte_view(o, writable=True) for o in outs]
         for view in views:
             check_size(ns, view, "output buffer")
+        self._saves.wait_committed(ns.id, keys)
+        return self._get_many_into(ns, keys, views)
+
+    def _get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                       views: Sequence[memoryview]) -> list[bool]:
+        """``get_many_into`` after its checks and its wait for this engine's commits."""
         asked = self._ask(wire.PIN, ns, keys, fetch=True, read=True)
         if asked is None:
             self._miss(len(keys))
@@ -326,8 +450,14 @@ class AttachedPool:
                  fetch: bool = False) -> list[AttachedView | None]:
         """Zero-copy read-only views of the chunks the host's DRAM holds (``fetch``: lower
         tiers' chunks read into free host slots first); None for the others, and for all
-        while detached. Release every view."""
+        while detached. Release every view. This engine's saves of ``keys`` are waited for
+        first (``pool.save_commit_wait_s``)."""
         self._registered(ns, keys)
+        self._saves.wait_committed(ns.id, keys)
+        return self._pin_many(ns, keys, fetch)
+
+    def _pin_many(self, ns: Namespace, keys: Sequence[bytes],
+                  fetch: bool) -> list[AttachedView | None]:
         asked = self._ask(wire.PIN, ns, keys, fetch=fetch)
         if asked is None:
             self._miss(len(keys))
@@ -388,8 +518,11 @@ class AttachedPool:
 
     # ------------------------------------------------------------------ admin
     def flush(self, timeout: float | None = None) -> bool:
-        """The host pool's flush (its write-behind queues); True while detached."""
+        """This engine's saves committed, then the host pool's flush (its write-behind
+        queues); True while detached once the saves ran."""
         self._check_open()
+        if not self._saves.flush(timeout):
+            return False
         link = self._link()
         if link is None:
             return True
@@ -408,7 +541,8 @@ class AttachedPool:
         if link is not None:
             with contextlib.suppress(Detached):
                 out = link.call({"op": wire.STATS})[0]["stats"]
-        out["attached"] = {**self._counters.snapshot(), "attached": self.attached}
+        out["attached"] = {**self._counters.snapshot(), "attached": self.attached,
+                           "saves": stats_of(self._saves)}
         return out
 
     def record_latency(self, enabled: bool) -> None:
@@ -421,6 +555,8 @@ class AttachedPool:
             if self._closed:
                 return
             self._closed = True
+        self._saves.close()  # commits what was handed over while the link may still live
+        with self._lock:
             link, self._link_now = self._link_now, None
         if link is not None:
             link.close()
