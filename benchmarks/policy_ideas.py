@@ -294,6 +294,7 @@ IDEAS: dict[str, Callable[[], EvictionPolicy]] = {
     "arc-half-start": HalfStartARC,
     "arc-shadow-aged": ShadowAgedARC,
     "arc-shadow-aged-k4": lambda: ShadowAgedARC(k=4.0),
+    "arc-shadow-aged-fast": lambda: ShadowAgedARC(eta=0.02),
 }
 
 
