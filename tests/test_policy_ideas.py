@@ -30,7 +30,7 @@ def ideas() -> ModuleType:
     return module
 
 
-def conversations(path: Path, requests: int = 600, seed: int = 3) -> Path:
+def conversations(path: Path, requests: int = 400, seed: int = 3) -> Path:
     """A trace of the shared/traces format: a shared first block, then conversations whose
     follow-up turns (probability 0.4) repeat the previous prompt and add 1-3 blocks."""
     rng = random.Random(seed)
