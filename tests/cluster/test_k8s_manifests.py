@@ -217,8 +217,9 @@ def resolve_env(objs: list[dict[str, Any]], container: dict[str, Any],
                 key = ref["secretKeyRef"]
                 value = find(objs, "Secret", key["name"])["stringData"][key["key"]]
         env[name] = value
-    assert yaml.safe_load(env["KVPOOL_CLUSTER__ETCD"])  # a YAML list of endpoints
-    env["KVPOOL_CLUSTER__ETCD"] = f'["{etcd}"]'
+    if "KVPOOL_CLUSTER__ETCD" in env:  # an attached engine has no cluster section of its own
+        assert yaml.safe_load(env["KVPOOL_CLUSTER__ETCD"])  # a YAML list of endpoints
+        env["KVPOOL_CLUSTER__ETCD"] = f'["{etcd}"]'
     if "KVPOOL_SERVER__ADVERTISE_HOST" in env:
         assert env["KVPOOL_SERVER__ADVERTISE_HOST"]
         env["KVPOOL_SERVER__ADVERTISE_HOST"] = "127.0.0.1"
@@ -377,8 +378,10 @@ def attached_engine_puts_and_gets(host: Pod, token: str, client: ClusterClient, 
     saves is read back through the arena and reaches the storage nodes behind the host pool;
     what only the storage nodes hold (``on_nodes``) it reads through the host pool."""
     rendered = yaml.safe_load(host.config_path.read_text())
-    config = config_from_dict({"host": {"socket": rendered["host"]["socket"],
-                                        "tenant": "engines", "token": token}})
+    example = find(render("overlays/vllm-example"), "ConfigMap", "vllm-kvpool-config")
+    engine = yaml.safe_load(example["data"]["engine.yaml"])  # the vLLM example's own
+    config = config_from_dict({"host": {**engine["host"], "socket": rendered["host"]["socket"],
+                                        "token": token}})
     with open_pool(config) as pool:
         assert isinstance(pool, AttachedPool) and pool.attached
         pool.register_namespace(ns)
@@ -417,5 +420,23 @@ def test_vllm_example_connector_config_is_valid(tmp_path: Path,
         monkeypatch.setenv(name, value)
     settings = parse_settings({**extra, "config_path": str(local)}, block_size=16)
     config = settings.pool_config()
-    assert config.cluster.etcd == ["http://127.0.0.1:1"]
-    assert config.cluster.token
+    # The engine attaches to the node's host pool: its socket is the DaemonSet's, through
+    # the same hostPath, with a token and tenant the host pool's host-auth lists.
+    assert config.host.socket is not None
+    host_cm = find(objs, "ConfigMap", "kvpool-host-config")
+    assert config.host.socket == yaml.safe_load(host_cm["data"]["kvpool.yaml"])["host"]["socket"]
+    ds = find(objs, "DaemonSet", "kvpool-host")["spec"]["template"]["spec"]
+
+    def host_path(spec: dict[str, Any], container: dict[str, Any], directory: str) -> str:
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == directory)
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        return str(volume["hostPath"]["path"])
+
+    socket_dir = str(Path(config.host.socket).parent)
+    engine_spec = find(objs, "Deployment", "vllm")["spec"]["template"]["spec"]
+    assert host_path(engine_spec, container, socket_dir) == \
+        host_path(ds, ds["containers"][0], socket_dir)
+    secret = find(objs, "Secret", "kvpool-tokens")["stringData"]
+    allowed = json.loads(secret["host-auth"])
+    assert any(entry["token"] == config.host.token and config.host.tenant in entry["tenants"]
+               for entry in allowed)
