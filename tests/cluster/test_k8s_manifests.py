@@ -325,7 +325,7 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
         return http_status(pod.url("metrics", pod.probes["readinessProbe"])) == 200
 
     for pod in pods:
-        wait_for(lambda p=pod: ready(p), 40, f"{pod.name}'s /readyz")
+        wait_for(lambda p=pod: ready(p), 120, f"{pod.name}'s /readyz")
         assert http_status(pod.url("metrics", pod.probes["livenessProbe"])) == 200
     watcher = EtcdMembership([etcd_server.endpoint], "default")
     wait_for(lambda: {n.node_id for n in watcher.live_nodes()} == {"kvpool-0", "kvpool-1"},
