@@ -140,8 +140,26 @@ def test_a_lost_batch_is_replayed_and_a_restarted_node_is_a_new_incarnation(
         client = node_only_pool(tmp_path, node)
         client.register_namespace(ns)
         put(keys[12:16])
-        wait_for(lambda: consumer.poll(0.05) >= 0 and state.incarnation != first, 30,
-                 "the restarted node's incarnation")
+        # The consumer's subscription reconnects in the background: on a loaded machine the
+        # restarted node's first batch can go out before it is back (PUB drops it). Later
+        # batches (here: chunks of another namespace, once a second) show the new
+        # incarnation, and its lost first batch comes back by replay.
+        other = byte_namespace(CHUNK, salt="replay-other")
+        client.register_namespace(other)
+        nudges = iter(other.chunk_keys(list(range(1000))))
+        last_nudge = time.monotonic()
+
+        def new_incarnation_seen() -> bool:
+            nonlocal last_nudge
+            if consumer.poll(0.05) >= 0 and state.incarnation != first:
+                return True
+            if time.monotonic() - last_nudge > 1.0:
+                key = next(nudges)
+                client.put_many(other, [key], [payload_for(key, CHUNK)])
+                last_nudge = time.monotonic()
+            return False
+
+        wait_for(new_incarnation_seen, 60, "the restarted node's incarnation")
         assert resets == ["node-a"]  # what the old incarnation held was dropped
         wait_for(lambda: held(consumer, "node-a", MEDIUM_DISK, ns.id) == set(filed[12:]), 30,
                  "only what the new incarnation announced")
