@@ -60,7 +60,12 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(3):
-            chunk = {"engine": self.name, "i": i, "choices": [{"text": f"t{i}"}]}
+            choice: dict[str, Any] = {"text": f"t{i}"}
+            if body.get("return_token_ids"):  # as vLLM: the prompt's ids on the first chunk
+                choice["token_ids"] = [i]
+                if i == 0:
+                    choice["prompt_token_ids"] = body.get("prompt")
+            chunk = {"engine": self.name, "i": i, "choices": [choice]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(0.01)
         await resp.write(b"data: [DONE]\n\n")

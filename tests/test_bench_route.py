@@ -7,8 +7,9 @@ import asyncio
 import threading
 
 import pytest
+from kvtest import require_extra
 
-from kvpool.bench.route import RouteWorkload, ratios, requests
+from kvpool.bench.route import Answer, RouteWorkload, mismatch, ratios, requests
 
 
 def test_requests_are_seeded_and_share_each_documents_prefix() -> None:
@@ -31,9 +32,28 @@ def test_ratios() -> None:
         ratios([], [1.0])
 
 
+def test_ratios_name_the_shared_setup() -> None:
+    r = ratios([1.0], [2.0], "route_shared_ttft_p50_vs_round_robin")
+    assert r == {"route_shared_ttft_p50_vs_round_robin": 0.5,
+                 "route_shared_ttft_p90_vs_round_robin": 0.5}
+
+
+def test_mismatch_names_what_differs() -> None:
+    prompt = [5, 6, 7]
+    good = Answer(0.1, "ab", [1, 2], prompt, "engine1")
+    assert mismatch(prompt, good, Answer(0.2, "ab", [1, 2], prompt)) == ""
+    assert mismatch(prompt, good, Answer(0.2, "ac", [1, 3], prompt)) == "other output tokens"
+    assert mismatch(prompt, Answer(0.1, "ab", [1, 2], [5, 6], "e"),
+                    Answer(0.2, "ab", [1, 2], prompt)) == "the engine saw another prompt"
+    assert mismatch(prompt, Answer(0.1, "ab", [], prompt),
+                    Answer(0.2, "ab", [], prompt)) == "no token ids in an answer"
+    assert mismatch(prompt, good, Answer(0.2, "abc", [1, 2], prompt)) == \
+        "same tokens, other text"
+
+
 def test_streamed_reads_ttft_text_and_engine_through_the_router() -> None:
-    pytest.importorskip("aiohttp")
-    pytest.importorskip("zmq")
+    require_extra("aiohttp", "router")
+    require_extra("zmq", "router")
     from route_support import FakeEngine
 
     from kvpool.bench.route import streamed
@@ -55,9 +75,10 @@ def test_streamed_reads_ttft_text_and_engine_through_the_router() -> None:
     thread.start()
     assert ready.wait(60)
     try:
-        ttft, text, engine = streamed(int(state["port"]), "m", [1, 2, 3], 4)  # type: ignore[call-overload]
-        assert ttft > 0 and engine == "engine0"
-        assert text == "t0t1t2"
+        answer = streamed(int(state["port"]), "m", [1, 2, 3], 4)  # type: ignore[call-overload]
+        assert answer.ttft_s > 0 and answer.engine == "engine0"
+        assert answer.text == "t0t1t2" and answer.token_ids == [0, 1, 2]
+        assert answer.prompt_token_ids == [1, 2, 3]
     finally:
         async def down() -> None:
             await state["router"].close()  # type: ignore[attr-defined]
