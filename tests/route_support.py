@@ -27,6 +27,8 @@ class FakeEngine:
         self.tokenize_delay_s = tokenize_delay_s
         self.served = 0
         self.port = 0
+        #: what /metrics answers (vLLM's gauges); None: a 404, as an engine without it
+        self.metrics_text: str | None = None
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -35,6 +37,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -71,6 +74,11 @@ class FakeEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "fake"}]})

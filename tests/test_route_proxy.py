@@ -286,6 +286,41 @@ def test_a_lost_batch_is_replayed_not_reset() -> None:
     _run(body)
 
 
+def _vllm_metrics(running: int, waiting: int) -> str:
+    return ("# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}.0\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}.0\n')
+
+
+def test_engine_metrics_count_load_the_proxy_did_not_send() -> None:
+    """Requests another client sent straight to engine0 show in its /metrics: the router
+    counts them as its load and sends new requests to engine1; a scrape that fails, or
+    finds no vLLM gauges, leaves only the proxy's own counts."""
+    async def body() -> None:
+        async with _Fleet(2, engine_metrics_interval_s=0.1) as f:
+            assert f.router is not None
+            f.engines[0].metrics_text = _vllm_metrics(3, 5)
+            f.engines[1].metrics_text = _vllm_metrics(0, 0)
+            await until(lambda: [c.load for c in f.router.candidates(None)] == [8.0, 0.0],  # type: ignore[union-attr]
+                        "engine0's own load read")
+            picks = {(await _post(f.port, {"model": "m", "prompt": PROMPT}))[1]
+                     for _ in range(3)}
+            assert picks == {"engine1"}
+            assert 'kvpool_route_engine_reported_requests{engine="engine0"} 8.0' in \
+                await _metrics(f.port)
+            f.engines[0].metrics_text = None  # /metrics gone: a 404
+            await until(lambda: f.router.candidates(None)[0].load == 0.0,  # type: ignore[union-attr]
+                        "a failed scrape leaves the proxy's own count")
+            f.engines[0].metrics_text = "# nothing of vLLM's here\n"
+            await asyncio.sleep(0.3)
+            assert f.router.candidates(None)[0].load == 0.0
+            picks = {(await _post(f.port, {"model": "m", "prompt": PROMPT}))[1]
+                     for _ in range(4)}
+            assert picks == {"engine0", "engine1"}
+    _run(body)
+
+
 def test_route_command_serves_and_stops_on_sigterm() -> None:
     """``kvpool route`` as its own process: bad options exit 2; it proxies to a real engine
     socket and exits 0 on SIGTERM."""

@@ -104,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-timeout", type=float, default=0.5, metavar="SECONDS",
                         help="tokenize + score within this, else least-loaded (default "
                              "%(default)s)")
+    parser.add_argument("--engine-metrics-interval", type=float, default=1.0,
+                        metavar="SECONDS",
+                        help="read each engine's /metrics (vLLM's running + waiting "
+                             "requests) this often for its load; 0: only the proxy's own "
+                             "counts (default %(default)s)")
     parser.add_argument("--dead-cooldown", type=float, default=5.0, metavar="SECONDS",
                         help="an unreachable engine is skipped this long (default "
                              "%(default)s)")
@@ -123,14 +128,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         ns = bytes.fromhex(args.namespace_id) if args.namespace_id else None
         if ns is not None and len(ns) != 16:
             raise ValueError("--namespace-id must be 32 hex characters")
-        if args.chunk_tokens < 1 or args.index_timeout <= 0 or args.dead_cooldown < 0:
+        if args.chunk_tokens < 1 or args.index_timeout <= 0 or args.dead_cooldown < 0 \
+                or not args.engine_metrics_interval >= 0:
             raise ValueError("--chunk-tokens, --index-timeout must be > 0, --dead-cooldown "
-                             ">= 0")
+                             "and --engine-metrics-interval >= 0")
         policy = make_policy(args.policy, TierWeights(*args.tier_weights), args.load_tokens,
                              args.overload_factor, args.prefill_weight)
         settings = RouterSettings(engines, policy, tuple(ep for ep, _ in storage), ns,
                                   args.chunk_tokens, args.index_timeout, args.dead_cooldown,
-                                  storage_replays=tuple(r for _, r in storage))
+                                  storage_replays=tuple(r for _, r in storage),
+                                  engine_metrics_interval_s=args.engine_metrics_interval)
         router = Router(settings)
     except ValueError as exc:
         print(f"kvpool route: {exc}", file=sys.stderr)

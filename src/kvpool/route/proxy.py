@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from kvpool.events.consumer import EventConsumer
 from kvpool.events.schema import AllBlocksCleared, KVEventBatch
 from kvpool.keys import chunk_keys
+from kvpool.route.engine_load import EngineLoad, parse_engine_load
 from kvpool.route.index import RESET_CLEARED, RESET_DEAD, EngineIndex, SourceStats
 from kvpool.route.policy import (
     Candidate,
@@ -81,6 +82,9 @@ class RouterSettings:
     request_timeout_s: float = 600.0
     storage_replays: Sequence[str | None] = ()  # per storage_events entry, or none at all
     replay_timeout_s: float = 0.5  # how long a gap's replay may take (the index lock waits)
+    #: how often each engine's /metrics is read for its own running + waiting counts
+    #: (kvpool.route.engine_load); 0: never, the proxy's own counts only
+    engine_metrics_interval_s: float = 1.0
 
 
 @dataclass
@@ -88,6 +92,7 @@ class _Engine:
     name: str
     spec: EngineSpec
     index: EngineIndex = field(default_factory=EngineIndex)
+    reported: EngineLoad = field(default_factory=EngineLoad)
     in_flight: int = 0
     pending_tokens: int = 0
     dead_until: float = 0.0
@@ -117,6 +122,9 @@ class Router:
         self._pending = Gauge("kvpool_route_pending_prefill_tokens", "Prompt tokens still to "
                               "prefill of requests yet to answer, per engine.", ["engine"],
                               registry=self.registry)
+        self._reported = Gauge("kvpool_route_engine_reported_requests", "Running + waiting "
+                               "requests per engine from its own /metrics (last scrape).",
+                               ["engine"], registry=self.registry)
         self._up = Gauge("kvpool_route_engine_up", "1 if the engine is taking requests.",
                          ["engine"], registry=self.registry)
         self._lag = Gauge("kvpool_route_index_lag_seconds", "Seconds since the last KV-event "
@@ -150,6 +158,7 @@ class Router:
         self._stop = threading.Event()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._scraper: asyncio.Task[None] | None = None
 
     def _follow(self, endpoint: str, replay: str | None, name: str) -> None:
         old_replay, names = self._endpoints.setdefault(endpoint, (replay, []))
@@ -200,6 +209,35 @@ class Router:
         assert self.consumer is not None
         return [self.consumer.node_at[ep] for ep in endpoints if ep in self.consumer.node_at]
 
+    # ------------------------------------------------------------------ engine metrics
+
+    def load(self, e: _Engine) -> float:
+        """Requests on ``e``: the proxy's own in-flight count, or the engine's running +
+        waiting from its last fresh /metrics scrape where that is more."""
+        interval = self.settings.engine_metrics_interval_s
+        reported = e.reported.requests(3 * interval) if interval > 0 else 0.0
+        return max(float(e.in_flight), reported)
+
+    async def _scrape(self, e: _Engine) -> None:
+        """One read of ``e``'s /metrics; a failure or a page without vLLM's gauges leaves
+        the proxy's own counts (never raises)."""
+        assert self._session is not None
+        interval = self.settings.engine_metrics_interval_s
+        try:
+            async with self._session.get(e.spec.url.rstrip("/") + "/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=interval)) as r:
+                text = await r.text() if r.status == 200 else ""
+            e.reported.update(parse_engine_load(text) if text else None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("%s /metrics: %s", e.name, exc)
+            e.reported.update(None)
+
+    async def _scrape_loop(self) -> None:
+        interval = self.settings.engine_metrics_interval_s
+        while True:
+            await asyncio.gather(*(self._scrape(e) for e in self.engines if e.alive))
+            await asyncio.sleep(interval)
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -219,6 +257,8 @@ class Router:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
+        if self.settings.engine_metrics_interval_s > 0:
+            self._scraper = asyncio.create_task(self._scrape_loop())
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -228,6 +268,9 @@ class Router:
         return int(sockets[0].getsockname()[1]) if sockets else port
 
     async def close(self) -> None:
+        if self._scraper is not None:
+            self._scraper.cancel()
+            await asyncio.gather(self._scraper, return_exceptions=True)
         self._stop.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
@@ -261,7 +304,7 @@ class Router:
                     host = self.consumer.leading_run(self._pool_nodes(e.spec.host_events),
                                                      ns or b"", pool_keys) * ct
                 out.append(Candidate(i, eng, max(0, host - eng),
-                                     max(0, storage - max(eng, host)), e.in_flight,
+                                     max(0, storage - max(eng, host)), self.load(e),
                                      e.pending_tokens, e.alive))
         return out
 
@@ -404,6 +447,7 @@ class Router:
     async def _metrics(self, request: web.Request) -> web.Response:
         for e in self.engines:
             self._in_flight.labels(e.name).set(e.in_flight)
+            self._reported.labels(e.name).set(e.reported.running + e.reported.waiting)
             self._pending.labels(e.name).set(e.pending_tokens)
             self._up.labels(e.name).set(1 if e.alive else 0)
         with self._lock:
