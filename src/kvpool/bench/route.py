@@ -5,9 +5,10 @@ Workload: ``docs`` documents of ``prefix_len`` random token ids, ``questions`` q
 ``suffix_len`` tokens each, sent one at a time in a seeded shuffled order, each request a
 streamed greedy completion of ``output_len`` tokens (``temperature`` 0, ``ignore_eos``,
 ``return_token_ids``); TTFT is the time to the first SSE data chunk. Each engine runs on its
-own core (``VLLM_CPU_OMP_THREADS_BIND``) and publishes vLLM's KV events (ZMQ) to both
-routers. Round robin and kv routing each get a fresh set of documents (another seed), so
-neither pass finds the other's prefixes in the engines' caches. The first question of a
+own core (``VLLM_CPU_OMP_THREADS_BIND``) and publishes vLLM's KV events (ZMQ, with its
+replay socket, which the routers ask when they miss a batch) to both routers. Round robin
+and kv routing each get a fresh set of documents (another seed), so neither pass finds the
+other's prefixes in the engines' caches. The first question of a
 document is a miss under any policy; the later ones hit when they land on the engine that
 already holds the document.
 
@@ -15,13 +16,15 @@ Set-ups (``--setups``):
 
 * ``own``: the engines have only their own prefix caches (``route_ttft_p50_vs_round_robin``,
   target <= 0.6).
-* ``shared``: both engines run kvpool's connector over one shared pool (``pool_config``), so
-  round robin also hits, one tier lower (``route_shared_ttft_p50_vs_round_robin``, target
-  <= 0.95).
+* ``shared``: both engines run kvpool's connector over one shared pool
+  (:mod:`kvpool.bench.route_shared`), so round robin also hits, one tier lower
+  (``route_shared_ttft_p50_vs_round_robin``, target <= 0.95).
 
 **Validity.** After both passes of a set-up every routed request is sent again straight to
-engine 0, without the router; its output token ids (``direct_token_ids``) must equal the
-routed answer's, and the prompt token ids the engine reports must be the prompt sent. A
+the engine that answered it, without the router (the whole prompt is then in that engine's
+prefix cache: another cache state than the routed request met); its output token ids
+(``direct_token_ids``) must equal the routed answer's, and the prompt token ids the engine
+reports must be the prompt sent. A
 set-up with any difference is reported ``valid: false`` and the command exits 1: its ratio is
 printed only with that verdict beside it. The engines run in float32 by default: in bf16 a
 greedy answer on these CPU kernels depends on how much of the prompt came from the prefix
@@ -51,7 +54,7 @@ from typing import Any
 import numpy as np
 
 import kvpool
-from kvpool.bench.serve import Server, Service, _free_port
+from kvpool.bench.serve import Server, Service, _counters, _free_port
 from kvpool.bench.stats import BenchFailure, run_in_work_dir
 from kvpool.bench.vllm import vllm_python
 
@@ -151,18 +154,26 @@ def mismatch(prompt: list[int], routed: Answer, direct: Answer) -> str:
     return ""
 
 
+def _engine_number(name: str, engines: int) -> int:
+    """``engineN`` (the router's X-Kvpool-Engine) -> N. Raises BenchFailure for another."""
+    if name.startswith("engine") and name[6:].isdigit() and int(name[6:]) < engines:
+        return int(name[6:])
+    raise BenchFailure(f"the router named no engine it has ({name!r})")
+
+
 class RouterProcess(Service):
     """``kvpool route`` in the vLLM venv (it has aiohttp, pyzmq, msgspec)."""
 
-    def __init__(self, python: str, engines: list[tuple[int, int]], policy: str,
+    def __init__(self, python: str, engines: list[tuple[int, int, int]], policy: str,
                  run_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         run_dir.mkdir(parents=True, exist_ok=True)
         src = str(Path(kvpool.__file__).resolve().parents[1])
         cmd = [python, "-c", "import sys; from kvpool.cli import main; sys.exit(main())",
                "route", "--port", str(self.port), "--policy", policy, *extra_args]
-        for http, events in engines:
-            cmd += ["--engine", f"http://127.0.0.1:{http},events=tcp://127.0.0.1:{events}"]
+        for http, events, replay in engines:
+            cmd += ["--engine", f"http://127.0.0.1:{http},events=tcp://127.0.0.1:{events},"
+                    f"replay=tcp://127.0.0.1:{replay}"]
         super().__init__(f"kvpool route ({policy})", cmd, dict(os.environ, PYTHONPATH=src),
                          run_dir, run_dir / f"router-{policy}.log",
                          f"http://127.0.0.1:{self.port}/healthz", ROUTER_START_S)
@@ -184,7 +195,7 @@ def run_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Pa
               say: Callable[[str], None]) -> dict[str, Any]:
     """Both passes of one set-up in two fresh engines (``connector(i)``: engine i's
     ``--kv-transfer-config`` or None), then the direct check. Raises BenchFailure."""
-    events = [_free_port(), _free_port()]
+    events = [(_free_port(), _free_port()) for _ in range(2)]  # (PUB, replay) per engine
     say(f"{setup}: starting two vLLM servers ({load.dtype}), one core each, KV events on")
     cores = max(1, os.cpu_count() or 1)
     servers: list[Server] = []
@@ -194,14 +205,15 @@ def run_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Pa
         for i in range(2):
             # "*": vLLM binds a wildcard endpoint (it connects to any other).
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                   "endpoint": f"tcp://*:{events[i]}", "topic": ""}
+                   "endpoint": f"tcp://*:{events[i][0]}",
+                   "replay_endpoint": f"tcp://*:{events[i][1]}", "topic": ""}
             servers.append(Server(python, model, work / f"{setup}-engine{i}", connector(i),
                                   env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
                                   extra_args=("--kv-events-config", json.dumps(cfg)),
                                   dtype=load.dtype, wait=False))
         for s in servers:  # started side by side, each on its own core
             s.wait_healthy()
-        pairs = [(s.port, e) for s, e in zip(servers, events, strict=True)]
+        pairs = [(s.port, *e) for s, e in zip(servers, events, strict=True)]
         for policy in ("kv", "round_robin"):
             routers[policy] = RouterProcess(python, pairs, policy, work / setup)
         time.sleep(1.0)  # the routers' subscriptions reach the publishers
@@ -212,12 +224,13 @@ def run_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Pa
             passes[policy] = [(prompt, streamed(routers[policy].port, model, prompt,
                                                 load.output_len), doc)
                               for doc, prompt in reqs]
-        say(f"{setup}: every routed request again, straight to engine0")
+        say(f"{setup}: every routed request again, straight to the engine that answered it")
         rows: dict[str, list[dict[str, Any]]] = {}
         for policy, answers in passes.items():
             rows[policy] = []
             for prompt, routed, doc in answers:
-                direct = streamed(servers[0].port, model, prompt, load.output_len)
+                engine = servers[_engine_number(routed.engine, len(servers))]
+                direct = streamed(engine.port, model, prompt, load.output_len)
                 rows[policy].append({"doc": doc, "ttft_s": routed.ttft_s,
                                      "engine": routed.engine, "text": routed.text,
                                      "token_ids": routed.token_ids,
@@ -269,6 +282,11 @@ def run_route_bench(load: RouteWorkload, setups: tuple[str, ...], work: Path
                 result = run_setup(setup, load, python, model, work,
                                    lambda i: pool.connector(work / f"stats{i}.json"), say)
                 result["pool"] = pool.describe()
+            # the engines' connector counters (written when they stop): the shared pool
+            # must have served loads, else this set-up measured engine caches only
+            counters = [_counters(work / f"stats{i}.json") for i in range(2)]
+            result["pool_counters"] = counters
+            result["pool_loaded_chunks"] = sum(c.get("loaded_chunks", 0) for c in counters)
         report["setups"][setup] = result
     report["ratios"] = {k: v for s in report["setups"].values() for k, v in s["ratios"].items()}
     report["valid"] = all(s["valid"] for s in report["setups"].values())
@@ -281,7 +299,8 @@ def _print(report: dict[str, Any]) -> None:
           f"{w['docs']} documents x {w['prefix_len']} tokens, {w['questions']} questions "
           "each, one at a time")
     for setup, s in report["setups"].items():
-        print(f" set-up {setup}:" + (f" {s['pool']}" if s.get("pool") else ""))
+        print(f" set-up {setup}:" + (f" {s['pool']}; chunks the engines loaded from kvpool: "
+                                     f"{s['pool_loaded_chunks']}" if s.get("pool") else ""))
         for policy, rows in s["passes"].items():
             ttfts = ", ".join(f"{r['ttft_s'] * 1000:.0f}" for r in rows)
             print(f"  {policy:>12}: TTFT p50 {s['ttft_p50_s'][policy] * 1000:.0f} ms "

@@ -4,8 +4,10 @@ engine is a pool hit on the other (round robin hits too, one tier below the engi
 prefix cache).
 
 The pool is one local ``kvpool serve`` storage node (DRAM only) that both engines' embedded
-pools name in ``cluster.nodes``; each engine keeps no DRAM or SSD of its own, so every
-kvpool hit is a read from the shared node (loopback TCP).
+pools name in ``cluster.nodes``. Each engine's embedded pool keeps a small DRAM tier of its
+own (the save path stages there) and no SSD: a document another engine prefilled is a read
+from the shared node (loopback TCP), one the engine prefilled itself is in its own prefix
+cache anyway.
 
 Failure contract: a node that does not start raises BenchFailure with its output; ``close``
 (the context manager's exit) terminates it.
@@ -28,6 +30,7 @@ from kvpool.bench.stats import BenchFailure
 #: kvpool chunk of the shared set-up, in tokens (a multiple of vLLM's CPU block size, 128).
 CHUNK_TOKENS = 256
 NODE_DRAM = "2GiB"
+ENGINE_DRAM = "512MiB"
 
 
 class SharedPool:
@@ -49,11 +52,11 @@ class SharedPool:
             raise BenchFailure(f"the shared kvpool serve node did not start: {exc}") from exc
 
     def connector(self, stats_path: Path) -> dict[str, Any]:
-        """An engine's ``--kv-transfer-config``: an embedded pool with no DRAM or SSD of its
-        own, over the shared node."""
+        """An engine's ``--kv-transfer-config``: an embedded pool with a small DRAM tier and
+        no SSD, over the shared node."""
         name = stats_path.stem
         config = {"cache_dir": str(self.work / f"engine-{name}"), "ssd": {"enabled": False},
-                  "dram": {"capacity": 0}, "metrics": {"enabled": False},
+                  "dram": {"capacity": ENGINE_DRAM}, "metrics": {"enabled": False},
                   "cluster": {"nodes": [f"127.0.0.1:{self.node.port}"]}}
         return kvpool_transfer_config(config, stats_path, chunk_tokens=CHUNK_TOKENS)
 
