@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 
+import numpy as np
 import pytest
-from kvtest import require_extra
+from kvtest import byte_namespace, payload_for, require_extra, wait_for
 
 from kvpool.bench.route import Answer, RouteWorkload, mismatch, ratios, requests
+from kvpool.config import config_from_dict
 
 
 def test_requests_are_seeded_and_share_each_documents_prefix() -> None:
@@ -86,3 +89,36 @@ def test_streamed_reads_ttft_text_and_engine_through_the_router() -> None:
         asyncio.run_coroutine_threadsafe(down(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+@pytest.mark.parametrize("kind", ["host", "node"])
+def test_the_shared_pool_starts_and_engines_configs_open_it(kind: str, tmp_path: Path) -> None:
+    """The shared set-up's pool (a kvpool host, or a kvpool serve node) comes up, and the
+    connector config each engine gets opens a pool on it: a chunk one engine's pool stores
+    is a hit for the other's."""
+    from kvpool.bench.route_shared import SharedPool
+    from kvpool.host import open_pool
+
+    ns = byte_namespace(64 * 1024)
+    key = ns.chunk_keys(list(range(4)))[0]
+    with SharedPool(tmp_path, lambda msg: None, kind, "64MiB", "64MiB") as pool:
+        assert kind in pool.describe()
+        configs = [pool.connector(tmp_path / f"stats{i}.json")["kv_connector_extra_config"]
+                   for i in range(2)]
+        assert configs[0]["config"] != configs[1]["config"]  # each engine its own cache_dir
+        pools = [open_pool(config_from_dict(c["config"])) for c in configs]
+        try:
+            for p in pools:
+                p.register_namespace(ns)
+            data = payload_for(key, 64 * 1024)
+            assert pools[0].put(ns, key, data)
+            assert pools[0].flush(30)
+            out = np.zeros_like(data)
+            wait_for(lambda: pools[1].get_into(ns, key, out), 30,
+                     "the other engine's pool finds the chunk")
+            assert np.array_equal(out, data)
+        finally:
+            for p in pools:
+                p.close()
+    with pytest.raises(ValueError, match="kind"):
+        SharedPool(tmp_path / "x", lambda msg: None, "redis")

@@ -17,7 +17,8 @@ Set-ups (``--setups``):
 * ``own``: the engines have only their own prefix caches (``route_ttft_p50_vs_round_robin``,
   target <= 0.6).
 * ``shared``: both engines run kvpool's connector over one shared pool
-  (:mod:`kvpool.bench.route_shared`), so round robin also hits, one tier lower
+  (:mod:`kvpool.bench.route_shared`: a ``kvpool host`` they attach to, or with
+  ``--shared-pool node`` a ``kvpool serve`` node), so round robin also hits, one tier lower
   (``route_shared_ttft_p50_vs_round_robin``, target <= 0.95).
 
 **Validity.** After both passes of a set-up every routed request is sent again straight to
@@ -75,6 +76,7 @@ class RouteWorkload:
     output_len: int = 4
     seed: int = 0
     dtype: str = "float32"
+    shared_pool: str = "host"  # kvpool.bench.route_shared.KINDS
 
 
 def requests(load: RouteWorkload, seed: int) -> list[tuple[int, list[int]]]:
@@ -260,8 +262,10 @@ def run_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Pa
             "kv_router_index_blocks": indexed}
 
 
-def run_route_bench(load: RouteWorkload, setups: tuple[str, ...], work: Path
-                    ) -> dict[str, Any]:
+def run_route_bench(load: RouteWorkload, setups: tuple[str, ...], work: Path,
+                    json_path: str | None = None) -> dict[str, Any]:
+    """Every set-up in ``setups``; one that fails is reported with its error (``valid``
+    false) while the others' figures stand. Raises BenchFailure when all fail."""
     from kvpool.integrations.models.smollm2 import smollm2_hf_dir
 
     python = vllm_python()
@@ -272,25 +276,41 @@ def run_route_bench(load: RouteWorkload, setups: tuple[str, ...], work: Path
 
     report: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "workload": asdict(load),
                               "setups": {}, "targets": dict(TARGETS)}
+    failures = []
     for setup in setups:
-        if setup == "own":
-            result = run_setup(setup, load, python, model, work, lambda i: None, say)
-        else:
-            from kvpool.bench.route_shared import SharedPool
-
-            with SharedPool(work / "shared-pool", say) as pool:
-                result = run_setup(setup, load, python, model, work,
-                                   lambda i: pool.connector(work / f"stats{i}.json"), say)
-                result["pool"] = pool.describe()
-            # the engines' connector counters (written when they stop): the shared pool
-            # must have served loads, else this set-up measured engine caches only
-            counters = [_counters(work / f"stats{i}.json") for i in range(2)]
-            result["pool_counters"] = counters
-            result["pool_loaded_chunks"] = sum(c.get("loaded_chunks", 0) for c in counters)
-        report["setups"][setup] = result
-    report["ratios"] = {k: v for s in report["setups"].values() for k, v in s["ratios"].items()}
+        try:
+            report["setups"][setup] = _one_setup(setup, load, python, model, work, say)
+        except BenchFailure as exc:  # the other set-up's figures still count
+            say(f"{setup}: failed: {exc}")
+            failures.append(f"{setup}: {exc}")
+            report["setups"][setup] = {"error": str(exc)[-3000:], "valid": False}
+        if json_path:  # what is measured so far survives a later failure
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
+    if len(failures) == len(setups):
+        raise BenchFailure("\n".join(failures))
+    done = [s for s in report["setups"].values() if "ratios" in s]
+    report["ratios"] = {k: v for s in done for k, v in s["ratios"].items()}
     report["valid"] = all(s["valid"] for s in report["setups"].values())
     return report
+
+
+def _one_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Path,
+               say: Callable[[str], None]) -> dict[str, Any]:
+    if setup == "own":
+        return run_setup(setup, load, python, model, work, lambda i: None, say)
+    from kvpool.bench.route_shared import SharedPool
+
+    with SharedPool(work / "shared-pool", say, load.shared_pool) as pool:
+        result = run_setup(setup, load, python, model, work,
+                           lambda i: pool.connector(work / f"stats{i}.json"), say)
+        result["pool"] = pool.describe()
+    # the engines' connector counters (written when they stop): the shared pool must have
+    # served loads, else this set-up measured the engines' own caches only
+    counters = [_counters(work / f"stats{i}.json") for i in range(2)]
+    result["pool_counters"] = counters
+    result["pool_loaded_chunks"] = sum(c.get("loaded_chunks", 0) for c in counters)
+    return result
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -299,6 +319,9 @@ def _print(report: dict[str, Any]) -> None:
           f"{w['docs']} documents x {w['prefix_len']} tokens, {w['questions']} questions "
           "each, one at a time")
     for setup, s in report["setups"].items():
+        if "error" in s:
+            print(f" set-up {setup}: FAILED: {s['error'].splitlines()[0]}")
+            continue
         print(f" set-up {setup}:" + (f" {s['pool']}; chunks the engines loaded from kvpool: "
                                      f"{s['pool_loaded_chunks']}" if s.get("pool") else ""))
         for policy, rows in s["passes"].items():
@@ -329,6 +352,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--setups", default=",".join(SETUPS),
                         help="comma-separated: own (engine caches only), shared (both "
                              "engines on one kvpool pool); default both")
+    parser.add_argument("--shared-pool", choices=("host", "node"), default=d.shared_pool,
+                        help="the shared set-up's pool: one kvpool host both engines attach "
+                             "to (default), or one kvpool serve node both use")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--work-dir", help="scratch directory (default: a temp dir)")
 
@@ -343,11 +369,11 @@ def run_from_args(args: argparse.Namespace) -> int:
               f"a comma-separated subset of {','.join(SETUPS)}", file=sys.stderr)
         return 2
     load = RouteWorkload(docs=args.docs, questions=args.questions, prefix_len=args.prefix_len,
-                         dtype=args.dtype)
+                         dtype=args.dtype, shared_pool=args.shared_pool)
     seen: dict[str, Any] = {}
 
     def run(work: Path) -> dict[str, Any]:
-        seen.update(run_route_bench(load, setups, work))
+        seen.update(run_route_bench(load, setups, work, args.json))
         return seen
 
     rc = run_in_work_dir("route", args.work_dir, args.json, run, _print)
