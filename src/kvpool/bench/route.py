@@ -65,6 +65,9 @@ RATIO_NAMES = {"own": "route_ttft_p50_vs_round_robin",
 TARGETS = {"route_ttft_p50_vs_round_robin": "<= 0.6",
            "route_shared_ttft_p50_vs_round_robin": "<= 0.95"}
 ROUTER_START_S = 120.0
+#: Two engines start side by side on two cores; on a loaded machine (with a KV connector each)
+#: that took 7-9 minutes here.
+ENGINE_START_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,8 @@ def run_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Pa
             servers.append(Server(python, model, work / f"{setup}-engine{i}", connector(i),
                                   env={"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)},
                                   extra_args=("--kv-events-config", json.dumps(cfg)),
-                                  dtype=load.dtype, wait=False))
+                                  dtype=load.dtype, wait=False,
+                                  start_timeout_s=ENGINE_START_S))
         for s in servers:  # started side by side, each on its own core
             s.wait_healthy()
         pairs = [(s.port, *e) for s, e in zip(servers, events, strict=True)]
@@ -283,7 +287,10 @@ def run_route_bench(load: RouteWorkload, setups: tuple[str, ...], work: Path,
         except BenchFailure as exc:  # the other set-up's figures still count
             say(f"{setup}: failed: {exc}")
             failures.append(f"{setup}: {exc}")
-            report["setups"][setup] = {"error": str(exc)[-3000:], "valid": False}
+            text = str(exc)
+            report["setups"][setup] = {"error": text if len(text) < 3000
+                                       else f"{text[:500]}\n...\n{text[-2500:]}",
+                                       "valid": False}
         if json_path:  # what is measured so far survives a later failure
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(report, indent=1) + "\n")

@@ -152,7 +152,8 @@ class Server(Service):
     def __init__(self, python: str, model: str, run_dir: Path, connector: dict[str, Any] | None,
                  prefix_caching: bool = True, max_model_len: int = 8192,
                  env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
-                 dtype: str = "bfloat16", wait: bool = True) -> None:
+                 dtype: str = "bfloat16", wait: bool = True,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.port = _free_port()
         self.model = model
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,7 @@ class Server(Service):
             cmd += ["--kv-transfer-config", json.dumps(connector)]
         cmd += extra_args
         super().__init__("vLLM server", cmd, full_env, run_dir, run_dir / "server.log",
-                         f"http://127.0.0.1:{self.port}/health", wait=wait)
+                         f"http://127.0.0.1:{self.port}/health", start_timeout_s, wait)
 
     def complete(self, prompt: list[int], max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
         """One greedy, non-streamed completion of token ids; returns its wall time (its
