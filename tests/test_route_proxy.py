@@ -368,3 +368,46 @@ def test_route_command_serves_and_stops_on_sigterm() -> None:
                 await proc.wait()
             await engine.stop()
     _run(body)
+
+
+def test_consumer_names_vllm_publishers_by_endpoint_and_drops_bad_messages() -> None:
+    """Two vLLM-format publishers (no node, no incarnation) are two publishers, named by
+    their endpoints; a malformed message is counted and dropped, and the batch after it is
+    a gap (no replay socket: a reset), never a crash of the consumer."""
+    import time
+
+    from kvpool.events.consumer import RESET_GAP, EventConsumer
+
+    pubs = [Publisher(), Publisher()]
+    resets: list[tuple[str, str, str]] = []
+    seen: list[tuple[str, int]] = []
+
+    class Listener:
+        def batch(self, node: str, source: str, seq: int, batch: object) -> None:
+            seen.append((node, seq))
+
+        def reset(self, node: str, source: str, reason: str) -> None:
+            resets.append((node, source, reason))
+
+    consumer = EventConsumer([(p.endpoint, None) for p in pubs], listener=Listener())
+    try:
+        deadline = time.monotonic() + 20
+        while {n for n, _ in seen} != {p.endpoint for p in pubs}:
+            assert time.monotonic() < deadline, "subscriptions"
+            for p in pubs:
+                p.send([])
+            consumer.poll(0.05)
+        assert set(consumer.nodes) == {p.endpoint for p in pubs}
+        pubs[0].sock.send_multipart([b"", b"short"])  # not [topic, 8-byte seq, payload]
+        pubs[0].seq += 1  # the publisher counted it: the next batch is a gap
+        pubs[0].send(_blocks(PROMPT, 1))
+        while not resets:
+            assert time.monotonic() < deadline, "the gap after the bad message"
+            consumer.poll(0.05)
+        assert consumer.bad_messages == 1
+        assert resets == [(pubs[0].endpoint, pubs[0].endpoint, RESET_GAP)]
+        assert consumer.nodes[pubs[1].endpoint].resets == 0
+    finally:
+        consumer.close()
+        for p in pubs:
+            p.close()
