@@ -25,13 +25,12 @@ Set-ups (``--setups``):
 the engine that answered it, without the router (the whole prompt is then in that engine's
 prefix cache: another cache state than the routed request met); its output token ids
 (``direct_token_ids``) must equal the routed answer's, and the prompt token ids the engine
-reports must be the prompt sent. A
-set-up with any difference is reported ``valid: false`` and the command exits 1: its ratio is
-printed only with that verdict beside it. The engines run in float32 by default: in bf16 a
-greedy answer on these CPU kernels depends on how much of the prompt came from the prefix
-cache (the rows of the prompt computed in one pass differ), so a routed request (a cache hit)
-and the direct one (another cache state) can pick different tokens with no routing fault
-(shared/notes/vllm-cpu.md; ``--dtype bfloat16`` shows it).
+reports must be the prompt sent. A set-up with any difference is reported ``valid: false``
+and the command exits 1: its ratio is printed only with that verdict beside it. The engines
+run in float32 by default: bf16 outputs on these CPU kernels can depend on how much of the
+prompt came from the prefix cache (shared/notes/vllm-cpu.md), so in bf16 a routed request
+and the direct one (another cache state) may pick different tokens with no routing fault
+(``--dtype bfloat16`` runs them so). In float32 every answer of the measured run matched.
 
 Failure contract: a missing vLLM venv or model raises BenchFailure naming the fix; a server
 or router that does not come up fails the bench with the tail of its log; a kv router that
