@@ -211,3 +211,22 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
             return
         assert time.monotonic() < deadline, f"process {pid} not stopped: thread states {states}"
         time.sleep(0.005)
+
+
+def require_extra(module: str, extra: str) -> Any:
+    """Import ``module``, which kvpool's ``extra`` installs. ``make test`` and ``make unit``
+    install every extra, so a missing one fails the test (a skip would hide that the router
+    or events went untested); ``KVPOOL_TEST_EXTRAS=skip`` skips instead, for a venv built
+    without that extra on purpose."""
+    import importlib
+    import os
+
+    import pytest
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if os.environ.get("KVPOOL_TEST_EXTRAS") == "skip":
+            pytest.skip(f"{module} is not installed (kvpool[{extra}]), KVPOOL_TEST_EXTRAS=skip")
+        pytest.fail(f"{module} is not installed: pip install -e '.[{extra}]' (or "
+                    f"KVPOOL_TEST_EXTRAS=skip to skip these tests)", pytrace=False)
+        raise AssertionError from exc  # pytest.fail raised; for the type checker

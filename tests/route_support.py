@@ -27,6 +27,8 @@ class FakeEngine:
         self.tokenize_delay_s = tokenize_delay_s
         self.served = 0
         self.port = 0
+        #: what /metrics answers (vLLM's gauges); None: a 404, as an engine without it
+        self.metrics_text: str | None = None
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -35,6 +37,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -60,12 +63,22 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(3):
-            chunk = {"engine": self.name, "i": i, "choices": [{"text": f"t{i}"}]}
+            choice: dict[str, Any] = {"text": f"t{i}"}
+            if body.get("return_token_ids"):  # as vLLM: the prompt's ids on the first chunk
+                choice["token_ids"] = [i]
+                if i == 0:
+                    choice["prompt_token_ids"] = body.get("prompt")
+            chunk = {"engine": self.name, "i": i, "choices": [choice]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(0.01)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "fake"}]})

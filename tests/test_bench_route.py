@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 
+import numpy as np
 import pytest
+from kvtest import byte_namespace, payload_for, require_extra, wait_for
 
-from kvpool.bench.route import RouteWorkload, ratios, requests
+from kvpool.bench.route import Answer, RouteWorkload, mismatch, ratios, requests
+from kvpool.config import config_from_dict
 
 
 def test_requests_are_seeded_and_share_each_documents_prefix() -> None:
@@ -31,9 +35,28 @@ def test_ratios() -> None:
         ratios([], [1.0])
 
 
+def test_ratios_name_the_shared_setup() -> None:
+    r = ratios([1.0], [2.0], "route_shared_ttft_p50_vs_round_robin")
+    assert r == {"route_shared_ttft_p50_vs_round_robin": 0.5,
+                 "route_shared_ttft_p90_vs_round_robin": 0.5}
+
+
+def test_mismatch_names_what_differs() -> None:
+    prompt = [5, 6, 7]
+    good = Answer(0.1, "ab", [1, 2], prompt, "engine1")
+    assert mismatch(prompt, good, Answer(0.2, "ab", [1, 2], prompt)) == ""
+    assert mismatch(prompt, good, Answer(0.2, "ac", [1, 3], prompt)) == "other output tokens"
+    assert mismatch(prompt, Answer(0.1, "ab", [1, 2], [5, 6], "e"),
+                    Answer(0.2, "ab", [1, 2], prompt)) == "the engine saw another prompt"
+    assert mismatch(prompt, Answer(0.1, "ab", [], prompt),
+                    Answer(0.2, "ab", [], prompt)) == "no token ids in an answer"
+    assert mismatch(prompt, good, Answer(0.2, "abc", [1, 2], prompt)) == \
+        "same tokens, other text"
+
+
 def test_streamed_reads_ttft_text_and_engine_through_the_router() -> None:
-    pytest.importorskip("aiohttp")
-    pytest.importorskip("zmq")
+    require_extra("aiohttp", "router")
+    require_extra("zmq", "router")
     from route_support import FakeEngine
 
     from kvpool.bench.route import streamed
@@ -55,9 +78,10 @@ def test_streamed_reads_ttft_text_and_engine_through_the_router() -> None:
     thread.start()
     assert ready.wait(60)
     try:
-        ttft, text, engine = streamed(int(state["port"]), "m", [1, 2, 3], 4)  # type: ignore[call-overload]
-        assert ttft > 0 and engine == "engine0"
-        assert text == "t0t1t2"
+        answer = streamed(int(state["port"]), "m", [1, 2, 3], 4)  # type: ignore[call-overload]
+        assert answer.ttft_s > 0 and answer.engine == "engine0"
+        assert answer.text == "t0t1t2" and answer.token_ids == [0, 1, 2]
+        assert answer.prompt_token_ids == [1, 2, 3]
     finally:
         async def down() -> None:
             await state["router"].close()  # type: ignore[attr-defined]
@@ -65,3 +89,36 @@ def test_streamed_reads_ttft_text_and_engine_through_the_router() -> None:
         asyncio.run_coroutine_threadsafe(down(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+@pytest.mark.parametrize("kind", ["host", "node"])
+def test_the_shared_pool_starts_and_engines_configs_open_it(kind: str, tmp_path: Path) -> None:
+    """The shared set-up's pool (a kvpool host, or a kvpool serve node) comes up, and the
+    connector config each engine gets opens a pool on it: a chunk one engine's pool stores
+    is a hit for the other's."""
+    from kvpool.bench.route_shared import SharedPool
+    from kvpool.host import open_pool
+
+    ns = byte_namespace(64 * 1024)
+    key = ns.chunk_keys(list(range(4)))[0]
+    with SharedPool(tmp_path, lambda msg: None, kind, "64MiB", "64MiB") as pool:
+        assert kind in pool.describe()
+        configs = [pool.connector(tmp_path / f"stats{i}.json")["kv_connector_extra_config"]
+                   for i in range(2)]
+        assert configs[0]["config"] != configs[1]["config"]  # each engine its own cache_dir
+        pools = [open_pool(config_from_dict(c["config"])) for c in configs]
+        try:
+            for p in pools:
+                p.register_namespace(ns)
+            data = payload_for(key, 64 * 1024)
+            assert pools[0].put(ns, key, data)
+            assert pools[0].flush(30)
+            out = np.zeros_like(data)
+            wait_for(lambda: pools[1].get_into(ns, key, out), 30,
+                     "the other engine's pool finds the chunk")
+            assert np.array_equal(out, data)
+        finally:
+            for p in pools:
+                p.close()
+    with pytest.raises(ValueError, match="kind"):
+        SharedPool(tmp_path / "x", lambda msg: None, "redis")

@@ -9,11 +9,11 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
-import pytest
+from kvtest import require_extra
 
-aiohttp = pytest.importorskip("aiohttp")
-pytest.importorskip("zmq")
-pytest.importorskip("msgspec")
+aiohttp = require_extra("aiohttp", "router")
+require_extra("zmq", "router")
+require_extra("msgspec", "router")
 
 from route_support import FakeEngine, Publisher, stored, tokens_of, until  # noqa: E402
 
@@ -62,8 +62,8 @@ class _Fleet:
         self.router = Router(RouterSettings(specs, **kw))  # type: ignore[arg-type]
         self.port = await self.router.start()
         for i, p in enumerate(self.pubs):  # past ZMQ's slow joiner
-            ix = self.router.engines[i].index
-            await until(lambda ix=ix: ix.state.last_seq is not None, "subscription",
+            src = self.router.sources[f"engine{i}"]
+            await until(lambda src=src: src.batches > 0, "subscription",
                         poke=lambda p=p: p.send([]))
         return self
 
@@ -120,11 +120,12 @@ def test_restart_and_lost_event_reset_the_engine_index() -> None:
             await until(lambda: len(ix) == 4, "4 blocks")
             # A lost event: the next batch skips a sequence number.
             f.pubs[1].send(_blocks("0123456789AB", 2, first=500), seq=f.pubs[1].seq + 1)
-            await until(lambda: ix.state.resets.get("gap") == 1, "gap reset")
+            src = f.router.sources["engine1"]
+            await until(lambda: src.resets.get("gap") == 1, "gap reset")
             assert len(ix) == 2 and ix.cached_tokens(tokens_of(PROMPT)) == 0
             # The engine restarted: its publisher counts from 0 again, with an empty cache.
             f.pubs[1].send([], seq=0)
-            await until(lambda: ix.state.resets.get("restart") == 1, "restart reset")
+            await until(lambda: src.resets.get("restart") == 1, "restart reset")
             assert len(ix) == 0
             # AllBlocksCleared (a cache reset) empties it too.
             f.pubs[1].send(_blocks(PROMPT, 2))
@@ -171,7 +172,7 @@ def test_dead_engine_is_routed_around() -> None:
                 assert (status, engine) == (200, "engine1")
                 assert out.endswith(b"data: [DONE]\n\n")
             assert not f.router.engines[0].alive
-            assert f.router.engines[0].index.state.resets.get("dead") == 1
+            assert f.router.sources["engine0"].resets.get("dead") == 1
             assert 'kvpool_route_engine_up{engine="engine0"} 0.0' in await _metrics(f.port)
             await f.engines[1].stop()
             assert (await _post(f.port, {"model": "m", "prompt": PROMPT}))[0] == 503
@@ -195,6 +196,13 @@ def test_slow_tokenizer_falls_back_to_least_loaded() -> None:
     _run(body)
 
 
+def _pool_stored(keys: list[bytes], ns: bytes) -> dict[str, object]:
+    """A kvpool host pool's BlockStored (docs/routing.md, section 1)."""
+    return {"type": "BlockStored", "block_hashes": keys, "parent_block_hash": None,
+            "token_ids": [], "block_size": 8, "lora_id": None, "medium": "CPU",
+            "lora_name": None, "namespace_id": ns}
+
+
 def test_host_pool_events_credit_their_engine() -> None:
     async def body() -> None:
         ns = bytes(range(16))
@@ -206,26 +214,110 @@ def test_host_pool_events_credit_their_engine() -> None:
             KvPolicy(), namespace_id=ns, chunk_tokens=8))
         port = await router.start()
         try:
-            hix = router.engines[1].hosts[0]
-            await until(lambda: hix.state.last_seq is not None, "subscription",
-                        poke=lambda: host.send([]))
+            src = router.sources["engine1-host0"]
+            await until(lambda: src.batches > 0, "subscription", poke=lambda: host.send([]))
             keys = chunk_keys(ns, tokens_of(PROMPT), 8)
-            host.send([{"type": "BlockStored", "block_hashes": keys[:2], "medium": "CPU",
-                        "namespace_id": ns}])
-            await until(lambda: len(hix) == 2, "host chunks")
+            host.send([_pool_stored(keys[:2], ns)])
+            await until(lambda: router.candidates(tokens_of(PROMPT))[1].host_tokens == 16,
+                        "host chunks")
             c = router.candidates(tokens_of(PROMPT))
             assert (c[1].engine_tokens, c[1].host_tokens, c[0].host_tokens) == (0, 16, 0)
             assert (await _post(port, {"model": "m", "prompt": PROMPT}))[1] == "engine1"
+            assert 'kvpool_route_index_blocks{source="engine1-host0"} 2.0' in \
+                await _metrics(port)
             # The host pool restarted (a new incarnation): its chunks are forgotten.
             host.incarnation = "b2"
             host.send([])
-            await until(lambda: len(hix) == 0, "reset on new incarnation")
-            assert hix.state.resets == {"restart": 1}
+            await until(lambda: src.resets == {"restart": 1}, "reset on new incarnation")
+            assert router.candidates(tokens_of(PROMPT))[1].host_tokens == 0
         finally:
             await router.close()
             for e in engines:
                 await e.stop()
             host.close()
+    _run(body)
+
+
+def test_a_lost_batch_is_replayed_not_reset() -> None:
+    """A storage node's publisher with its replay socket: a batch the router missed is
+    asked again and applied (the chunks it announced count), with no reset; a storage
+    node's filed keys (key_scope "namespace") are matched from the prompt's chunk keys."""
+    from kvpool.events.publisher import EventPublisher, PublisherSettings
+    from kvpool.events.schema import KEY_SCOPE_NAMESPACE, filed_keys
+
+    async def body() -> None:
+        ns = bytes(range(16))
+        pub = EventPublisher(PublisherSettings(batch_interval_s=0.02,
+                                               key_scope=KEY_SCOPE_NAMESPACE), "node-a")
+        engines = [FakeEngine("e0"), FakeEngine("e1")]
+        urls = [await e.start() for e in engines]
+        router = Router(RouterSettings(
+            [EngineSpec(u) for u in urls], KvPolicy(), storage_events=(pub.endpoint,),
+            storage_replays=(pub.replay_endpoint,), namespace_id=ns, chunk_tokens=8))
+        await router.start()
+        sink = pub.sink("DISK")
+        # what a node announces: its filing of the prompt's chunk keys
+        keys = filed_keys(KEY_SCOPE_NAMESPACE, ns, chunk_keys(ns, tokens_of(PROMPT), 8))
+        try:
+            src = router.sources["storage0"]
+            await until(lambda: src.batches > 0, "subscription",
+                        poke=lambda: sink.removed([b"x" * 16], ns))
+            consumer = router.consumer
+            assert consumer is not None
+            await asyncio.sleep(0.2)  # the last pokes sent and applied
+            await until(lambda: consumer.nodes["node-a"].last_seq == pub.next_seq - 1,
+                        "every batch sent applied")
+            lost = pub.next_seq
+            with router._lock:
+                consumer.skip_seqs.add(lost)  # as if the network lost it
+            sink.stored(keys[:1], ns)
+            await until(lambda: pub.next_seq > lost, "the lost batch sent")
+            sink.stored(keys[1:2], ns)
+            await until(lambda: router.candidates(tokens_of(PROMPT))[0].storage_tokens == 16,
+                        "both chunks, the first from replay")
+            assert src.resets == {}
+            state = consumer.nodes["node-a"]
+            assert state.replayed >= 1 and state.resets == 0
+        finally:
+            await router.close()
+            for e in engines:
+                await e.stop()
+            pub.close()
+    _run(body)
+
+
+def _vllm_metrics(running: int, waiting: int) -> str:
+    return ("# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}.0\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}.0\n')
+
+
+def test_engine_metrics_count_load_the_proxy_did_not_send() -> None:
+    """Requests another client sent straight to engine0 show in its /metrics: the router
+    counts them as its load and sends new requests to engine1; a scrape that fails, or
+    finds no vLLM gauges, leaves only the proxy's own counts."""
+    async def body() -> None:
+        async with _Fleet(2, engine_metrics_interval_s=0.1) as f:
+            assert f.router is not None
+            f.engines[0].metrics_text = _vllm_metrics(3, 5)
+            f.engines[1].metrics_text = _vllm_metrics(0, 0)
+            await until(lambda: [c.load for c in f.router.candidates(None)] == [8.0, 0.0],  # type: ignore[union-attr]
+                        "engine0's own load read")
+            picks = {(await _post(f.port, {"model": "m", "prompt": PROMPT}))[1]
+                     for _ in range(3)}
+            assert picks == {"engine1"}
+            assert 'kvpool_route_engine_reported_requests{engine="engine0"} 8.0' in \
+                await _metrics(f.port)
+            f.engines[0].metrics_text = None  # /metrics gone: a 404
+            await until(lambda: f.router.candidates(None)[0].load == 0.0,  # type: ignore[union-attr]
+                        "a failed scrape leaves the proxy's own count")
+            f.engines[0].metrics_text = "# nothing of vLLM's here\n"
+            await asyncio.sleep(0.3)
+            assert f.router.candidates(None)[0].load == 0.0
+            picks = {(await _post(f.port, {"model": "m", "prompt": PROMPT}))[1]
+                     for _ in range(4)}
+            assert picks == {"engine0", "engine1"}
     _run(body)
 
 
@@ -276,3 +368,46 @@ def test_route_command_serves_and_stops_on_sigterm() -> None:
                 await proc.wait()
             await engine.stop()
     _run(body)
+
+
+def test_consumer_names_vllm_publishers_by_endpoint_and_drops_bad_messages() -> None:
+    """Two vLLM-format publishers (no node, no incarnation) are two publishers, named by
+    their endpoints; a malformed message is counted and dropped, and the batch after it is
+    a gap (no replay socket: a reset), never a crash of the consumer."""
+    import time
+
+    from kvpool.events.consumer import RESET_GAP, EventConsumer
+
+    pubs = [Publisher(), Publisher()]
+    resets: list[tuple[str, str, str]] = []
+    seen: list[tuple[str, int]] = []
+
+    class Listener:
+        def batch(self, node: str, source: str, seq: int, batch: object) -> None:
+            seen.append((node, seq))
+
+        def reset(self, node: str, source: str, reason: str) -> None:
+            resets.append((node, source, reason))
+
+    consumer = EventConsumer([(p.endpoint, None) for p in pubs], listener=Listener())
+    try:
+        deadline = time.monotonic() + 20
+        while {n for n, _ in seen} != {p.endpoint for p in pubs}:
+            assert time.monotonic() < deadline, "subscriptions"
+            for p in pubs:
+                p.send([])
+            consumer.poll(0.05)
+        assert set(consumer.nodes) == {p.endpoint for p in pubs}
+        pubs[0].sock.send_multipart([b"", b"short"])  # not [topic, 8-byte seq, payload]
+        pubs[0].seq += 1  # the publisher counted it: the next batch is a gap
+        pubs[0].send(_blocks(PROMPT, 1))
+        while not resets:
+            assert time.monotonic() < deadline, "the gap after the bad message"
+            consumer.poll(0.05)
+        assert consumer.bad_messages == 1
+        assert resets == [(pubs[0].endpoint, pubs[0].endpoint, RESET_GAP)]
+        assert consumer.nodes[pubs[1].endpoint].resets == 0
+    finally:
+        consumer.close()
+        for p in pubs:
+            p.close()

@@ -85,19 +85,80 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Server:
-    """One api_server process; ``stop()`` sends SIGTERM and waits (SIGKILL past
-    STOP_TIMEOUT_S)."""
+class Service:
+    """A child process with its own log file, healthy once ``GET health_url`` answers 2xx.
+    ``what`` names it in errors. The constructor waits until it is healthy, unless ``wait``
+    is False (then ``wait_healthy()`` does: several start side by side). Raises BenchFailure
+    (with the tail of its log, the process stopped) if it exits or is not healthy within
+    ``timeout_s``; ``stop()`` sends SIGTERM and waits (SIGKILL past STOP_TIMEOUT_S)."""
+
+    def __init__(self, what: str, cmd: list[str], env: dict[str, str], cwd: Path,
+                 log_path: Path, health_url: str, timeout_s: float = START_TIMEOUT_S,
+                 wait: bool = True) -> None:
+        self.what = what
+        self.log_path = log_path
+        self._health = (health_url, timeout_s)
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self._t0 = time.perf_counter()
+        self.start_s = 0.0
+        self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        """Block until healthy (``start_s`` then says how long the start took). Raises
+        BenchFailure, the process stopped, if it exits or times out."""
+        try:
+            self._wait_healthy(*self._health)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - self._t0
+
+    def _wait_healthy(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchFailure(f"{self.what} exited ({self.proc.returncode}):\n"
+                                   f"{self.log_tail()}")
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise BenchFailure(f"{self.what} not healthy after {timeout_s:.0f} s:\n"
+                           f"{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class Server(Service):
+    """One vLLM api_server process (``Service``)."""
 
     def __init__(self, python: str, model: str, run_dir: Path, connector: dict[str, Any] | None,
                  prefix_caching: bool = True, max_model_len: int = 8192,
-                 env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
+                 dtype: str = "bfloat16", wait: bool = True,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.port = _free_port()
         self.model = model
         run_dir.mkdir(parents=True, exist_ok=True)
         # vLLM's IPC socket paths must fit sockaddr_un (107 bytes): a short directory of its own
         self._rpc = tempfile.mkdtemp(prefix="kvrpc-")
-        self.log_path = run_dir / "server.log"
         full_env = dict(os.environ)
         full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", same_cores_for_every_mode())
@@ -106,38 +167,15 @@ class Server:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--port", str(self.port), "--max-model-len", str(max_model_len),
                "--max-num-batched-tokens", str(max_model_len), "--enforce-eager",
-               "--dtype", "bfloat16",
+               "--dtype", dtype,
                "--disable-log-stats"]
         if not prefix_caching:
             cmd.append("--no-enable-prefix-caching")
         if connector is not None:
             cmd += ["--kv-transfer-config", json.dumps(connector)]
         cmd += extra_args
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=full_env, cwd=run_dir, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
-        self._wait_healthy()
-        self.start_s = time.perf_counter() - t0
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BenchFailure(f"vLLM server exited ({self.proc.returncode}):\n"
-                                   f"{self.log_tail()}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return
-            except OSError:
-                time.sleep(1)
-        self.stop()
-        raise BenchFailure(f"vLLM server not healthy after {START_TIMEOUT_S:.0f} s:\n"
-                           f"{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
+        super().__init__("vLLM server", cmd, full_env, run_dir, run_dir / "server.log",
+                         f"http://127.0.0.1:{self.port}/health", start_timeout_s, wait)
 
     def complete(self, prompt: list[int], max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
         """One greedy, non-streamed completion of token ids; returns its wall time (its
@@ -152,14 +190,7 @@ class Server:
         return time.perf_counter() - t0, response
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        super().stop()
         shutil.rmtree(self._rpc, ignore_errors=True)
 
 

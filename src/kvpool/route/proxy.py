@@ -10,7 +10,10 @@ Per request (``POST /v1/completions``, ``/v1/chat/completions``):
    :class:`~kvpool.route.index.EngineIndex`), its host pool and the shared storage nodes
    (kvpool's KV events, keys of ``namespace_id`` in chunks of ``chunk_tokens``), and its load:
    requests in flight through this proxy and the prompt tokens still to prefill of those that
-   have not yet returned a byte.
+   have not yet returned a byte. Every publisher is followed by one
+   :class:`~kvpool.events.consumer.EventConsumer` on a thread of its own (sequence numbers,
+   incarnations, a gap replayed from the publisher's replay socket where one is given, else
+   a reset); the indexes are read under a lock, never waiting on a publisher.
 3. The policy names an engine; the body is forwarded unchanged and the answer streamed back
    as it comes (SSE passes through chunk by chunk). An engine that refuses the connection is
    marked down for ``dead_cooldown_s`` (its index reset: it comes back empty) and the
@@ -26,25 +29,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvpool.events.consumer import EventConsumer
+from kvpool.events.schema import AllBlocksCleared, KVEventBatch
 from kvpool.keys import chunk_keys
-from kvpool.route.index import RESET_DEAD, EngineIndex, PoolIndex, leading_run
+from kvpool.route.engine_load import EngineLoad, parse_engine_load
+from kvpool.route.index import RESET_CLEARED, RESET_DEAD, EngineIndex, SourceStats
 from kvpool.route.policy import (
     Candidate,
     LeastLoadedPolicy,
     NoEngineError,
     RoutingPolicy,
 )
-from kvpool.route.subscriber import Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +60,14 @@ _FORWARD_HEADERS = ("Content-Type", "Authorization", "Accept")
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine: its OpenAI server, its vLLM KV-event publisher, its host pools' ones."""
+    """One engine: its OpenAI server, its vLLM KV-event publisher (and that publisher's
+    replay socket), its host pools' publishers (each with its replay socket or None)."""
 
     url: str
     events: str | None = None
     host_events: tuple[str, ...] = ()
+    replay: str | None = None
+    host_replays: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,14 +80,19 @@ class RouterSettings:
     index_timeout_s: float = 0.5
     dead_cooldown_s: float = 5.0
     request_timeout_s: float = 600.0
+    storage_replays: Sequence[str | None] = ()  # per storage_events entry, or none at all
+    replay_timeout_s: float = 0.5  # how long a gap's replay may take (the index lock waits)
+    #: how often each engine's /metrics is read for its own running + waiting counts
+    #: (kvpool.route.engine_load); 0: never, the proxy's own counts only
+    engine_metrics_interval_s: float = 1.0
 
 
 @dataclass
 class _Engine:
     name: str
     spec: EngineSpec
-    index: EngineIndex
-    hosts: list[PoolIndex] = field(default_factory=list)
+    index: EngineIndex = field(default_factory=EngineIndex)
+    reported: EngineLoad = field(default_factory=EngineLoad)
     in_flight: int = 0
     pending_tokens: int = 0
     dead_until: float = 0.0
@@ -109,6 +122,9 @@ class Router:
         self._pending = Gauge("kvpool_route_pending_prefill_tokens", "Prompt tokens still to "
                               "prefill of requests yet to answer, per engine.", ["engine"],
                               registry=self.registry)
+        self._reported = Gauge("kvpool_route_engine_reported_requests", "Running + waiting "
+                               "requests per engine from its own /metrics (last scrape).",
+                               ["engine"], registry=self.registry)
         self._up = Gauge("kvpool_route_engine_up", "1 if the engine is taking requests.",
                          ["engine"], registry=self.registry)
         self._lag = Gauge("kvpool_route_index_lag_seconds", "Seconds since the last KV-event "
@@ -118,38 +134,121 @@ class Router:
                             "source.", ["source"], registry=self.registry)
         self._blocks = Gauge("kvpool_route_index_blocks", "Blocks or chunks an index holds.",
                              ["source"], registry=self.registry)
-        self.engines = [
-            _Engine(f"engine{i}", spec, EngineIndex(f"engine{i}", self._count_reset),
-                    [PoolIndex(f"engine{i}-host{j}", self._count_reset)
-                     for j in range(len(spec.host_events))])
-            for i, spec in enumerate(settings.engines)]
-        self.storage = [PoolIndex(f"storage{j}", self._count_reset)
-                        for j in range(len(settings.storage_events))]
-        self._ctx: zmq.asyncio.Context | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.engines = [_Engine(f"engine{i}", spec) for i, spec in enumerate(settings.engines)]
+        #: publisher endpoint -> (replay endpoint, the router's names for it)
+        self._endpoints: dict[str, tuple[str | None, list[str]]] = {}
+        self._engine_at: dict[str, _Engine] = {}
+        for e in self.engines:
+            if e.spec.events:
+                self._follow(e.spec.events, e.spec.replay, e.name)
+                self._engine_at[e.spec.events] = e
+            replays = e.spec.host_replays or (None,) * len(e.spec.host_events)
+            for j, (ep, rp) in enumerate(zip(e.spec.host_events, replays, strict=True)):
+                self._follow(ep, rp, f"{e.name}-host{j}")
+        storage_replays = settings.storage_replays or (None,) * len(settings.storage_events)
+        for j, (ep, rp) in enumerate(zip(settings.storage_events, storage_replays,
+                                         strict=True)):
+            self._follow(ep, rp, f"storage{j}")
+        self.sources = {n: SourceStats(n) for _, names in self._endpoints.values()
+                        for n in names}
+        #: guards the indexes and the consumer's state (the consumer thread writes them)
+        self._lock = threading.Lock()
+        self.consumer: EventConsumer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self.subscribers: list[Subscriber] = []
+        self._scraper: asyncio.Task[None] | None = None
+
+    def _follow(self, endpoint: str, replay: str | None, name: str) -> None:
+        old_replay, names = self._endpoints.setdefault(endpoint, (replay, []))
+        names.append(name)
+        if replay and not old_replay:
+            self._endpoints[endpoint] = (replay, names)
+
+    # ------------------------------------------------------------------ KV events
+
+    def batch(self, node: str, source: str, seq: int, batch: KVEventBatch) -> None:
+        """EventListener: one batch applied by the consumer (its thread, under the lock)."""
+        engine = self._engine_at.get(source)
+        cleared = (engine.index.apply(batch.events) if engine is not None
+                   else any(isinstance(ev, AllBlocksCleared) for ev in batch.events))
+        for name in self._endpoints[source][1]:
+            self.sources[name].applied(batch.ts)
+            if cleared:
+                self._count_reset(name, RESET_CLEARED)
+
+    def reset(self, node: str, source: str, reason: str) -> None:
+        """EventListener: the consumer dropped a publisher's state (a gap it could not
+        replay, a restart)."""
+        engine = self._engine_at.get(source)
+        if engine is not None:
+            engine.index.clear()
+        for name in self._endpoints[source][1]:
+            self._count_reset(name, reason)
 
     def _count_reset(self, source: str, reason: str) -> None:
+        stats = self.sources[source]
+        stats.resets[reason] = stats.resets.get(reason, 0) + 1
         self._resets.labels(source, reason).inc()
+
+    def _follow_events(self) -> None:
+        """The consumer thread: apply what arrives, under the lock, until ``close``."""
+        consumer = self.consumer
+        assert consumer is not None
+        while not self._stop.is_set():
+            try:
+                if consumer.wait(0.1):
+                    with self._lock:
+                        consumer.poll(0)
+            except Exception:  # the thread must outlive a bad batch
+                log.exception("kv events: the consumer failed; going on")
+                time.sleep(0.1)
+
+    def _pool_nodes(self, endpoints: Sequence[str]) -> list[str]:
+        assert self.consumer is not None
+        return [self.consumer.node_at[ep] for ep in endpoints if ep in self.consumer.node_at]
+
+    # ------------------------------------------------------------------ engine metrics
+
+    def load(self, e: _Engine) -> float:
+        """Requests on ``e``: the proxy's own in-flight count, or the engine's running +
+        waiting from its last fresh /metrics scrape where that is more."""
+        interval = self.settings.engine_metrics_interval_s
+        reported = e.reported.requests(3 * interval) if interval > 0 else 0.0
+        return max(float(e.in_flight), reported)
+
+    async def _scrape(self, e: _Engine) -> None:
+        """One read of ``e``'s /metrics; a failure or a page without vLLM's gauges leaves
+        the proxy's own counts (never raises)."""
+        assert self._session is not None
+        interval = self.settings.engine_metrics_interval_s
+        try:
+            async with self._session.get(e.spec.url.rstrip("/") + "/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=interval)) as r:
+                text = await r.text() if r.status == 200 else ""
+            e.reported.update(parse_engine_load(text) if text else None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("%s /metrics: %s", e.name, exc)
+            e.reported.update(None)
+
+    async def _scrape_loop(self) -> None:
+        interval = self.settings.engine_metrics_interval_s
+        while True:
+            await asyncio.gather(*(self._scrape(e) for e in self.engines if e.alive))
+            await asyncio.sleep(interval)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Subscribe to every publisher and listen; returns the bound port. Raises OSError
         if the port cannot be bound."""
-        self._ctx = zmq.asyncio.Context()
-        pairs: list[tuple[str, EngineIndex | PoolIndex]] = []
-        for e in self.engines:
-            if e.spec.events:
-                pairs.append((e.spec.events, e.index))
-            pairs.extend(zip(e.spec.host_events, e.hosts, strict=True))
-        pairs.extend(zip(self.settings.storage_events, self.storage, strict=True))
-        for endpoint, index in pairs:
-            sub = Subscriber(self._ctx, endpoint, index)
-            self.subscribers.append(sub)
-            self._tasks.append(asyncio.create_task(sub.run()))
+        self.consumer = EventConsumer(
+            [(ep, replay) for ep, (replay, _names) in self._endpoints.items()],
+            replay_timeout_s=self.settings.replay_timeout_s, listener=self)
+        self._thread = threading.Thread(target=self._follow_events, name="kvpool-route-events",
+                                        daemon=True)
+        self._thread.start()
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s))
         app = web.Application(client_max_size=64 << 20)
@@ -158,6 +257,8 @@ class Router:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
+        if self.settings.engine_metrics_interval_s > 0:
+            self._scraper = asyncio.create_task(self._scrape_loop())
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -167,15 +268,18 @@ class Router:
         return int(sockets[0].getsockname()[1]) if sockets else port
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._scraper is not None:
+            self._scraper.cancel()
+            await asyncio.gather(self._scraper, return_exceptions=True)
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+        if self.consumer is not None:
+            self.consumer.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
-        if self._ctx is not None:
-            self._ctx.term()
 
     # ------------------------------------------------------------------ routing
 
@@ -186,15 +290,22 @@ class Router:
         if tokens and ns is not None:
             pool_keys = chunk_keys(ns, tokens, self.settings.chunk_tokens)
         ct = self.settings.chunk_tokens
-        storage = leading_run(pool_keys, self.storage) * ct if self.storage else 0
         out = []
-        for i, e in enumerate(self.engines):
-            eng = host = 0
-            if tokens:
-                eng = e.index.cached_tokens(tokens)
-                host = leading_run(pool_keys, e.hosts) * ct if e.hosts else 0
-            out.append(Candidate(i, eng, max(0, host - eng), max(0, storage - max(eng, host)),
-                                 e.in_flight, e.pending_tokens, e.alive))
+        with self._lock:
+            storage = 0
+            if pool_keys and self.consumer is not None:
+                storage = self.consumer.leading_run(
+                    self._pool_nodes(self.settings.storage_events), ns or b"", pool_keys) * ct
+            for i, e in enumerate(self.engines):
+                eng = host = 0
+                if tokens:
+                    eng = e.index.cached_tokens(tokens)
+                if pool_keys and self.consumer is not None and e.spec.host_events:
+                    host = self.consumer.leading_run(self._pool_nodes(e.spec.host_events),
+                                                     ns or b"", pool_keys) * ct
+                out.append(Candidate(i, eng, max(0, host - eng),
+                                     max(0, storage - max(eng, host)), self.load(e),
+                                     e.pending_tokens, e.alive))
         return out
 
     def _choose(self, tokens: list[int] | None, reason: str | None,
@@ -305,7 +416,9 @@ class Router:
         log.warning("%s (%s) is down: %s", e.name, e.spec.url, exc)
         e.dead_until = time.monotonic() + self.settings.dead_cooldown_s
         # It comes back with an empty cache: forget it now rather than on its first event.
-        e.index.reset(RESET_DEAD)
+        with self._lock:
+            e.index.clear()
+            self._count_reset(e.name, RESET_DEAD)
 
     # ------------------------------------------------------------------ handlers
 
@@ -334,15 +447,28 @@ class Router:
     async def _metrics(self, request: web.Request) -> web.Response:
         for e in self.engines:
             self._in_flight.labels(e.name).set(e.in_flight)
+            self._reported.labels(e.name).set(e.reported.running + e.reported.waiting)
             self._pending.labels(e.name).set(e.pending_tokens)
             self._up.labels(e.name).set(1 if e.alive else 0)
-        for ix in [e.index for e in self.engines] + [h for e in self.engines for h in e.hosts] \
-                + self.storage:
-            self._lag.labels(ix.state.name).set(ix.lag_s())
-            self._delay.labels(ix.state.name).set(ix.state.delay_s)
-            self._blocks.labels(ix.state.name).set(len(ix))
+        with self._lock:
+            for source, (_replay, names) in self._endpoints.items():
+                engine = self._engine_at.get(source)
+                blocks = len(engine.index) if engine is not None else self._held(source)
+                for name in names:
+                    stats = self.sources[name]
+                    self._lag.labels(name).set(stats.lag_s())
+                    self._delay.labels(name).set(stats.delay_s)
+                    self._blocks.labels(name).set(blocks)
         return web.Response(body=generate_latest(self.registry),
                             content_type="text/plain", charset="utf-8")
+
+
+    def _held(self, source: str) -> int:
+        """Chunks a kvpool publisher announced it holds (all media, all namespaces)."""
+        if self.consumer is None or source not in self.consumer.node_at:
+            return 0
+        state = self.consumer.nodes.get(self.consumer.node_at[source])
+        return len(set().union(*state.held.values())) if state and state.held else 0
 
 
 class _EngineDown(Exception):
