@@ -8,7 +8,8 @@ is the GIL and a core).
 The index is written before the node starts by an in-process engine on the node's cache_dir
 (``KVPOOL_STALL_RECORDS`` records of one 8 KiB block pair each; 300,000 by default, 8-18 s
 here). The issue's target is a 5 ms stall; on a contended 2-core CI box the bounds asserted
-are ``MAX_STALL_S`` and ``MAX_PUT_STALL_S``, far below what the old node stalled (the sort
+are ``MAX_STALL_S`` and ``MAX_PUT_STALL_S`` (or ``IDLE_FACTOR`` times the idle window's
+worst PING, on a machine loaded by others), far below what the old node stalled (the sort
 on its event loop; the PUT's copy into fresh staging pages with the GIL held: hundreds of
 ms). The measured stalls are printed (``pytest -s``).
 """
@@ -40,6 +41,10 @@ PUTS = 3
 #: records; 0.8 s per million) and 480-750 ms during the PUTs.
 MAX_STALL_S = 0.050
 MAX_PUT_STALL_S = 0.100
+#: On a machine loaded by other work (a clean-clone run beside other jobs: load 19 on 2
+#: cores) the idle PINGs themselves wait tens of ms; there the bounds are this many times
+#: the worst PING of a 2 s idle window measured first in the same run.
+IDLE_FACTOR = 4.0
 
 #: 256-byte chunks: the smallest records, so the index is large for its bytes.
 SMALL = Namespace("stall-index", KVLayout("int8", 1, 1, 16, chunk_tokens=16, kv_factor=1))
@@ -143,7 +148,7 @@ def test_an_idle_connection_is_not_stalled_by_a_declare_over_a_large_index_nor_b
         pinger.start()
         time.sleep(0.1)
         started = time.perf_counter()
-        time.sleep(0.5)
+        time.sleep(2.0)
         idle = pinger.worst(started, time.perf_counter())
 
         # (a) the first declare after the restart sorts SMALL's index entries for the warm
@@ -181,8 +186,10 @@ def test_an_idle_connection_is_not_stalled_by_a_declare_over_a_large_index_nor_b
           f"{', '.join(f'{s * 1e3:.1f}' for s in declare_s)} ms; max PING stall "
           f"{during_declares * 1e3:.1f} ms during the declares, {during_puts * 1e3:.1f} ms "
           f"during {PUTS} PUTs of {PUT_BYTES >> 20} MiB")
-    assert during_declares < MAX_STALL_S, \
+    # A machine loaded by others stalls an idle node's PINGs by itself: the bounds grow
+    # with the worst PING of the idle window measured just before.
+    assert during_declares < max(MAX_STALL_S, IDLE_FACTOR * idle), \
         f"an idle PING waited {during_declares * 1e3:.0f} ms while another client declared"
-    assert during_puts < MAX_PUT_STALL_S, \
+    assert during_puts < max(MAX_PUT_STALL_S, IDLE_FACTOR * idle), \
         f"an idle PING waited {during_puts * 1e3:.0f} ms while another client PUT 256 MiB"
 
