@@ -255,6 +255,12 @@ def _run(fn: Callable[[int], None], calls: int) -> None:
         fn(i)
 
 
+def _print_steps(steps: dict[str, float]) -> None:
+    for name, us in steps.items():
+        print(f"  {name:70s} {us:7.2f} µs")
+    print(f"  {'sum of the step medians':70s} {sum(steps.values()):7.2f} µs")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remote_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -264,15 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     steps, whole, cpu = node_steps(args.calls)
     print(f"node, in process: handle() p50 {whole:.1f} µs; thread CPU per request "
           f"(with the client side's send and receive) {cpu:.1f} µs")
-    for name, us in steps.items():
-        print(f"  {name:70s} {us:7.2f} µs")
-    print(f"  {'sum of the step medians':70s} {sum(steps.values()):7.2f} µs")
+    _print_steps(steps)
     csteps, kv_p50, raw_p50 = client_steps(args.calls)
     print(f"client: ClusterClient.get_many_into p50 {kv_p50:.1f} µs, raw socket p50 "
           f"{raw_p50:.1f} µs ({kv_p50 / raw_p50:.2f}x)")
-    for name, us in csteps.items():
-        print(f"  {name:70s} {us:7.2f} µs")
-    print(f"  {'sum of the step medians':70s} {sum(csteps.values()):7.2f} µs")
+    _print_steps(csteps)
     return 0
 
 
