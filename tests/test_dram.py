@@ -131,6 +131,52 @@ def test_all_pinned_put_is_dropped_not_blocked() -> None:
     assert tier.put(k(9), ns, payload_for(k(9))) is True
 
 
+def test_a_batch_pin_holds_its_slots_until_released_and_counts_like_views() -> None:
+    ns, other = byte_namespace(), byte_namespace(salt="other")
+    tier = DramTier(SLAB, SLAB, "lru", put_wait_s=0.05)
+    for i in range(3):
+        tier.put(k(i), ns, payload_for(k(i)))
+    tier.put(k(3), other, payload_for(k(3)))
+    batch = tier.pin_batch([k(0), k(9), k(3), k(2)], ns.id)  # absent; another namespace's
+    assert batch.pinned == 2 and [v is None for v in batch.views] == [False, True, True, False]
+    assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 0  # misses not counted
+    for i in range(4, 8):  # evicts everything but the two pinned slots
+        tier.put(k(i), ns, payload_for(k(i)))
+    assert tier.contains(k(0)) and tier.contains(k(2))
+    assert tier.delete(k(0))  # doomed while pinned: its slot is freed at the release
+    tier.put(k(8), ns, payload_for(k(8)))  # must not reuse the pinned slot
+    view0, view2 = batch.views[0], batch.views[3]
+    assert view0 is not None and view2 is not None and view0.readonly
+    assert np.array_equal(np.frombuffer(view0, np.uint8), payload_for(k(0)))
+    assert np.array_equal(np.frombuffer(view2, np.uint8), payload_for(k(2)))
+    batch.release()
+    batch.release()  # idempotent: the pins are given back once
+    with pytest.raises(ValueError):
+        bytes(view0)  # released views are unusable
+    assert tier.put(k(10), ns, payload_for(k(10))) and tier.put(k(11), ns, payload_for(k(11)))
+    assert not tier.contains(k(2))  # unpinned: evictable again
+    tier.close()
+    with pytest.raises(PoolClosedError):
+        tier.pin_batch([k(10)], ns.id)
+
+
+def test_a_batch_release_wakes_a_put_waiting_for_a_pinned_slot() -> None:
+    ns = byte_namespace()
+    tier = DramTier(SLAB, SLAB, "lru", put_wait_s=60.0)
+    for i in range(4):
+        tier.put(k(i), ns, payload_for(k(i)))
+    batch = tier.pin_batch([k(i) for i in range(4)], ns.id)
+    stored: list[bool] = []
+    waiter = threading.Thread(target=lambda: stored.append(tier.put(k(9), ns,
+                                                                   payload_for(k(9)))))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # every slot pinned: the put waits
+    batch.release()
+    waiter.join(30.0)  # woken by the release, not by its 60 s deadline
+    assert not waiter.is_alive() and stored == [True]
+
+
 def test_slab_is_stolen_for_a_new_size_class() -> None:
     small, big = byte_namespace(CHUNK), byte_namespace(2 * CHUNK, model="big")
     rec = Recorder()

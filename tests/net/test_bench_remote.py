@@ -82,3 +82,17 @@ def test_plan_options_pick_sizes_pass_bytes_and_lookups() -> None:
                 ("--pass-bytes", "0"), ("--exists-calls", "0")):
         with pytest.raises(ValueError):
             plan(*bad)
+
+
+def test_remote_steps_time_every_step_of_a_4k_get_on_both_sides() -> None:
+    """``python -m kvpool.bench.remote_steps``: its node steps drive the real store and
+    connection (a step that no longer matches the code raises), its client steps a real node;
+    every step is timed. No timing assertions beyond "it was measured"."""
+    from kvpool.bench import remote_steps
+
+    steps, whole, cpu = remote_steps.node_steps(50)
+    assert len(steps) == 11 and all(_positive(us) for us in steps.values())
+    assert _positive(whole) and _positive(cpu)
+    csteps, kv_p50, raw_p50 = remote_steps.client_steps(50)
+    assert len(csteps) == 8 and all(_positive(us) for us in csteps.values())
+    assert _positive(kv_p50) and _positive(raw_p50)

@@ -350,7 +350,7 @@ class Connection:
         try:
             views, flags = answer.views, answer.flags
             head = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, req.op | RESPONSE_BIT, req.req_id,
-                               len(views), len(flags), sum(v.nbytes for v in views))
+                               len(views), len(flags), sum(map(len, views)))
             self.write([memoryview(head + flags), *views])  # the store's views are flat
         finally:
             answer.release()

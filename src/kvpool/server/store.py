@@ -54,7 +54,7 @@ from kvpool.server.catalog import KeyCatalog
 from kvpool.server.held import HeldBytes, derived_limit
 from kvpool.server.registry import NamespaceRegistry, RegistryFull
 from kvpool.server.tenants import TenantCounters
-from kvpool.tiers.dram import PinnedView
+from kvpool.tiers.slots import PinnedBatch
 
 
 class Refused(Exception):
@@ -131,22 +131,17 @@ class GetAnswer:
 
     flags: bytes
     views: list[memoryview]
-    _pins: list[PinnedView | None] = field(repr=False)
+    _pins: PinnedBatch | None = field(repr=False)
     #: Gives back the bytes its per-request buffers hold in the node's ledger (held.py).
     _give_back: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
-        _release(self._pins)
-        self._pins = []
+        pins, self._pins = self._pins, None
+        if pins is not None:
+            pins.release()
         give_back, self._give_back = self._give_back, None
         if give_back is not None:
             give_back()
-
-
-def _release(pins: Sequence[PinnedView | None]) -> None:
-    for pin in pins:
-        if pin is not None:
-            pin.release()
 
 
 def _unknown(ns_id: bytes) -> Refused:
@@ -405,7 +400,7 @@ class NodeStore:
     def exists(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> list[bool]:
         """EXISTS: one flag per key (see exists_prefix)."""
         ns, scoped = self._scoped(session, ns_id, keys)
-        return self.pool.contains_many(ns, scoped)
+        return self.pool.held_many(ns, scoped)
 
     def touch(self, session: Session, ns_id: bytes, keys: Sequence[bytes]) -> int:
         """TOUCH: count ``keys`` as read; how many a tier holds. In-memory and never waits
@@ -418,37 +413,42 @@ class NodeStore:
         """GET ``keys`` (touching ``touch`` first, as TOUCH does): DRAM's chunks pinned, the
         rest a lower tier holds read into per-request buffers (blocking IO on the caller's
         thread). Raises Refused(TOO_LARGE) when the answer would exceed
-        server.max_inflight_bytes, Refused(BUSY) past the node's held-bytes limits."""
-        return self._answer_get(*self._pin_for_get(session, ns_id, keys, touch))
+        server.max_inflight_bytes, Refused(BUSY) past the node's held-bytes limits.
 
-    def _pin_for_get(self, session: Session, ns_id: bytes, keys: Sequence[bytes],
-                     touch: Sequence[bytes]) -> tuple[Namespace, list[bytes],
-                                                      list[PinnedView | None]]:
-        """Scope, touch, check the size and pin what DRAM holds (in-memory; never waits)."""
-        ns, scoped = self._scoped(session, ns_id, keys)
+        The common case, every key in DRAM, is one call of the pool (``pin_resident``: one
+        DRAM lock acquisition, no per-key objects) and one counter update."""
+        ns = self._namespace_of(session, ns_id)
+        scoped = scoped_chunk_keys(ns_id, keys)
         if touch:
             self.pool.touch(ns, scoped_chunk_keys(ns_id, touch))
         if len(keys) * ns.chunk_bytes > self.cfg.max_inflight_bytes:
             raise Refused(Status.TOO_LARGE, f"{len(keys)} chunks of {ns.chunk_bytes} bytes "
                           f"exceed max_inflight_bytes {self.cfg.max_inflight_bytes}; "
                           "split the batch")
-        return ns, scoped, self.pool.pin_many(ns, scoped)
+        pins = self.pool.pin_resident(ns, scoped)
+        if pins is not None and pins.pinned == len(scoped):  # all from DRAM
+            n = len(scoped)
+            self.counters.add_many({"get_hits": n, "get_misses": 0})
+            self._count_tenant(ns, get_hits=n, get_misses=0, get_bytes=n * ns.chunk_bytes)
+            return GetAnswer(b"\x01" * n, pins.views, pins)  # type: ignore[arg-type]
+        return self._answer_get(ns, scoped, pins)
 
     def _answer_get(self, ns: Namespace, scoped: list[bytes],
-                    pins: list[PinnedView | None]) -> GetAnswer:
-        """The answer over ``pins``: of the chunks DRAM lacked, those a lower tier holds (an
-        in-memory index probe first: a key held nowhere costs no buffer) are read into
-        per-request buffers (blocking IO when there are any), whose bytes the node's ledger
-        holds until ``release``. Raises Refused(BUSY) when they do not fit the ledger
-        (held.py). Releases the pins if it raises."""
+                    pins: PinnedBatch | None) -> GetAnswer:
+        """The answer over ``pins`` (None: no DRAM): of the chunks DRAM lacked, those a lower
+        tier holds (an in-memory index probe first: a key held nowhere costs no buffer) are
+        read into per-request buffers (blocking IO when there are any), whose bytes the
+        node's ledger holds until ``release``. Raises Refused(BUSY) when they do not fit the
+        ledger (held.py). Releases the pins if it raises."""
         held = 0
         tenant = ns.tenant
         try:
-            payload: list[memoryview | None] = [p.data if p is not None else None for p in pins]
-            missing = [i for i, p in enumerate(pins) if p is None]
+            payload: list[memoryview | None] = list(pins.views) if pins is not None \
+                else [None] * len(scoped)
+            missing = [i for i, p in enumerate(payload) if p is None]
             if missing:
                 pool = self.pool
-                stored = pool.contains_many(ns, [scoped[i] for i in missing])
+                stored = pool.held_many(ns, [scoped[i] for i in missing])
                 to_read = [i for i, has in zip(missing, stored, strict=True) if has]
                 if len(to_read) < len(missing):
                     pool.count_misses(ns, len(missing) - len(to_read))
@@ -465,7 +465,8 @@ class NodeStore:
                     self.held.give(tenant, lost)
                     held -= lost
         except BaseException:
-            _release(pins)
+            if pins is not None:
+                pins.release()
             self.held.give(tenant, held)
             raise
         views = [p for p in payload if p is not None]

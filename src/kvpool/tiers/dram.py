@@ -19,9 +19,9 @@ from kvpool.policy import EvictionPolicy, make_eviction_policy
 from kvpool.retention import RetainingPolicy, RetentionBook, TenantQuotas
 from kvpool.tiers.arena import SlotArena
 from kvpool.tiers.base import DemotionSink, Item, local_lookup
-from kvpool.tiers.slots import PinnedView, SlotReservation, _Entry
+from kvpool.tiers.slots import PinnedBatch, PinnedView, SlotReservation, _Entry
 
-__all__ = ["DramTier", "PinnedView", "SlotReservation"]
+__all__ = ["DramTier", "PinnedBatch", "PinnedView", "SlotReservation"]
 
 
 class DramTier:
@@ -48,6 +48,9 @@ class DramTier:
         self._doomed: dict[int, _Entry] = {}  # deleted while pinned, by slot offset
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        #: Threads waiting on ``_cond`` for a slot to free up (an unpin wakes them only
+        #: when there are some: Condition.notify_all is Python code, a pin's largest cost).
+        self._waiters = 0
         self._demote = demote
         #: KV events (docs/routing.md): told of every chunk stored and removed; None: off.
         self.events: TierEvents | None = None
@@ -207,7 +210,11 @@ class DramTier:
             deadline = now + self._put_wait_s if deadline is None else deadline
             if now >= deadline or self._closed:
                 return None
-            self._cond.wait(deadline - now)
+            self._waiters += 1
+            try:
+                self._cond.wait(deadline - now)
+            finally:
+                self._waiters -= 1
 
     def _take_victim_locked(self, victim: bytes, evicted: list[tuple[bytes, _Entry]]) -> int:
         entry = self._entries.pop(victim)
@@ -322,7 +329,50 @@ class DramTier:
                 del self._doomed[entry.offset]
                 if not self._closed:
                     self._release_slot(entry)
-            elif entry.pins == 0:
+            elif entry.pins == 0 and self._waiters:
+                self._cond.notify_all()
+
+    def pin_batch(self, keys: Sequence[bytes], namespace_id: bytes) -> PinnedBatch:
+        """``view`` for a batch under one lock acquisition and without a PinnedView per key
+        (a storage node's GET): each resident chunk stored under ``namespace_id`` is pinned,
+        counted as a hit and touched in its policy, as ``view`` does; the others are None
+        and, as with ``count_miss=False``, not counted. Release the batch once its views
+        are sent. Raises PoolClosedError after close."""
+        views: list[memoryview | None] = []
+        pinned: list[_Entry] = []
+        arena, retention = self._arena, self._retention
+        with self._lock:
+            self._check_open()
+            get = self._entries.get
+            for key in keys:
+                entry = get(key)
+                if entry is None or entry.ns.id != namespace_id or (
+                        retention is not None
+                        and (retention.any_expired or key in retention.entries)
+                        and retention.expired(key)):
+                    views.append(None)  # absent, another namespace's, or its TTL passed
+                    continue
+                entry.pins += 1
+                entry.hits += 1
+                self._policy(entry.slot_size).touch(key)
+                pinned.append(entry)
+                views.append(arena.view(entry.offset, entry.nbytes).toreadonly())
+            self._counters["hits"] += len(pinned)
+        return PinnedBatch(self, pinned, views)
+
+    def unpin_batch(self, entries: Sequence[_Entry]) -> None:
+        """Give back the pins of ``pin_batch`` (PinnedBatch.release), under one lock."""
+        with self._lock:
+            wake = False
+            for entry in entries:
+                entry.pins -= 1
+                if entry.pins == 0 and entry.doomed:
+                    del self._doomed[entry.offset]
+                    if not self._closed:
+                        self._release_slot(entry)
+                elif entry.pins == 0:
+                    wake = True
+            if wake and self._waiters:
                 self._cond.notify_all()
 
     def get_into(self, key: bytes, out: Any, namespace_id: bytes | None = None) -> bool:
@@ -378,8 +428,8 @@ class DramTier:
         """``contains`` for a batch, under one lock acquisition."""
         with self._lock:
             self._check_open()
-            get = self._entries.get
-            return [(e := get(k)) is not None and e.ns.id == namespace_id for k in keys]
+            return [e is not None and e.ns.id == namespace_id
+                    for e in map(self._entries.get, keys)]  # map: no Python call per key
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return local_lookup(self.contains_many, keys, ns.id)

@@ -56,6 +56,36 @@ class PinnedView:
         self.release()
 
 
+class PinnedBatch:
+    """The read-only views of a batch of DRAM slots pinned under one lock acquisition
+    (``DramTier.pin_batch``): ``views[i]`` for key i, None where it was not resident. One
+    object per batch, not per key (a storage node's GET path). The slots cannot be evicted or
+    reused until ``release()`` (idempotent; also run when collected); using a view after
+    that is a bug."""
+
+    __slots__ = ("_entries", "_tier", "views")
+
+    def __init__(self, tier: DramTier, entries: list[_Entry],
+                 views: list[memoryview | None]) -> None:
+        self._tier, self._entries, self.views = tier, entries, views
+
+    @property
+    def pinned(self) -> int:
+        """How many of the keys are pinned (resident)."""
+        return len(self._entries)
+
+    def release(self) -> None:
+        entries, self._entries = self._entries, []
+        if entries:
+            for view in self.views:
+                if view is not None:
+                    view.release()
+            self._tier.unpin_batch(entries)
+
+    def __del__(self) -> None:
+        self.release()
+
+
 class SlotReservation:
     """A DRAM slot taken by ``DramTier.reserve`` and being filled in place through ``view``.
     Exactly one of ``commit()`` (publish the chunk) or ``abort()`` (free the slot) must follow;
