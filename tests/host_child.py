@@ -3,8 +3,10 @@
 result (and ``holding`` while it holds pins and reservations, to be SIGKILLed).
 
 Modes: ``save TENANT_SALT SEED N`` (stored count), ``read TENANT_SALT SEED N`` (hits and
-whether the bytes are the ones ``save`` wrote), ``hold SEED N_PIN N_RESERVE`` (pins the
-first N_PIN chunks of SEED, reserves N_RESERVE new ones, half filled, then sleeps), ``load
+whether the bytes are the ones ``save`` wrote), ``psave`` / ``pload`` (the same through the
+pool's ``save`` with a fill callback and ``load`` with a scatter callback, then a second
+``save`` of the same chunks: all present), ``hold SEED N_PIN N_RESERVE`` (pins the first
+N_PIN chunks of SEED, reserves N_RESERVE new ones, half filled, then sleeps), ``load
 STOP_FILE`` (puts and reads in a loop, ``started`` once a round hit, until STOP_FILE exists
 or 90 s passed; then its errors, slowest call and attaches).
 """
@@ -45,7 +47,22 @@ def say(**fields: object) -> None:
 def main(mode: str, config_path: str, *args: str) -> int:
     cfg = config_from_dict(yaml.safe_load(Path(config_path).read_text()))
     pool = AttachedPool(cfg)
-    if mode in ("save", "read"):
+    if mode in ("psave", "pload"):
+        ns = pool.register_namespace(namespace(args[0]))
+        keys, datas = chunks(ns, int(args[1]), int(args[2]))
+        if mode == "psave":
+            ticket = pool.save(ns, keys, lambda i, view: view.__setitem__(
+                slice(None), memoryview(datas[i]).cast("B")))
+            ticket.wait(30)
+            say(stored=ticket.stored, present=ticket.present)
+        else:
+            outs = [np.zeros_like(d) for d in datas]
+            loaded = pool.load(ns, keys, lambda i, view: outs[i].__setitem__(
+                slice(None), np.frombuffer(view, np.uint8)))
+            again = pool.save(ns, keys, lambda i, view: None)
+            say(hits=loaded, same=all(np.array_equal(outs[i], datas[i]) for i in range(loaded)),
+                present=again.present)
+    elif mode in ("save", "read"):
         ns = pool.register_namespace(namespace(args[0]))
         keys, datas = chunks(ns, int(args[1]), int(args[2]))
         if mode == "save":

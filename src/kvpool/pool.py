@@ -26,10 +26,11 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from time import perf_counter
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.registry import CollectorRegistry
 
+from kvpool import saves as pipeline
 from kvpool.buffers import byte_view
 from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
 from kvpool.config import Config, load_config
@@ -45,6 +46,7 @@ from kvpool.retention import Retention, RetentionBook, TenantQuotas
 from kvpool.saves import (
     Fill,
     LoadHandle,
+    Pinned,
     SaveBatch,
     SavePipeline,
     SaveTicket,
@@ -160,7 +162,8 @@ class KVPool:
         #: A put is acknowledged only once synced on the SSD (see the module docstring).
         self.durable_puts = self._stack.ack is not None
         self.events: Any = None  # the KV event publisher (events.enabled: true), else None
-        self._saves = SavePipeline(lambda r: self.commit_many(r), self._run_deferred,
+        self._saves = SavePipeline(lambda r: self.commit_many(cast("list[ChunkReservation]", r)),
+                                   self._run_deferred,
                                    self.config.pool.save_budget_bytes,
                                    self.config.pool.save_commit_wait_s,
                                    self.config.pool.background_nice)
@@ -566,25 +569,12 @@ class KVPool:
         bound, nothing reserved). Same checks as ``put``."""
         self._registered(ns, keys)
         self.retain(ns, keys, retention)
-        keys = list(keys)
-        saves = self._saves
-        room = saves.book(ns, len(keys))
-        found = self._reserve_many(ns, keys[:room], False, saving=True) if room else []
-        reservations: list[ChunkReservation | None] = []
-        held = [slot is True for slot in found] + [False] * (len(keys) - room)
-        no_slot = 0
-        for slot in found:
-            if isinstance(slot, ChunkReservation):
-                reservations.append(slot)
-                continue
-            reservations.append(None)
-            no_slot += slot is not True
-        saves.unbook(ns, room - sum(r is not None for r in reservations))
-        reservations.extend([None] * (len(keys) - room))
-        saves.counters.add_many({"saves": 1, "save_chunks": len(keys),
-                                 "save_present": sum(held), "save_dropped_no_slot": no_slot,
-                                 "save_dropped_budget": len(keys) - room})
-        return SaveBatch(saves, ns, keys, reservations, held)
+        return pipeline.begin_save(self, self._saves, ns, list(keys))
+
+    def reserve_for_save(self, ns: Namespace, keys: Sequence[bytes],
+                         saving: bool) -> list[ChunkReservation | bool | None]:
+        """The save pipeline's reservation (``saves.SaveSide``): never waits for a slot."""
+        return self._reserve_many(ns, keys, False, saving=saving)
 
     def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
              defer: bool = False, retention: Retention | None = None) -> SaveTicket:
@@ -600,54 +590,16 @@ class KVPool:
         stays valid until the ticket is done. An exception from ``fill`` aborts this save's
         slots (counted as ``save_dropped_fill``); inline it is re-raised, deferred it is
         logged. Same checks as ``put``."""
-        if not defer:
-            batch = self.begin_save(ns, keys, retention)
-            try:
-                for i, view in enumerate(batch.views):
-                    if view is not None:
-                        fill(i, view)
-            except BaseException:
-                batch.abort("save_dropped_fill")
-                raise
-            return batch.commit()
         self._registered(ns, keys)
         self.retain(ns, keys, retention)
+        if not defer:
+            return pipeline.save_inline(self, self._saves, ns, list(keys), fill)
         ticket = SaveTicket(keys, 0)
         self._saves.defer(_Deferred(ns, list(keys), fill, ticket))
         return ticket
 
     def _run_deferred(self, job: _Deferred) -> int:
-        """A deferred save, on the save thread: reserve (its own chunks are on their way,
-        so they must not count as stored), fill, commit. Returns how many are stored."""
-        saves = self._saves
-        if self._closed:
-            saves.counters.add_many({"saves": 1, "save_chunks": len(job.keys),
-                                     "save_dropped_aborted": len(job.keys)})
-            return 0
-        ns, keys = job.ns, job.keys
-        room = saves.book(ns, len(keys))
-        found = self._reserve_many(ns, keys[:room], False, saving=False) if room else []
-        taken = [(i, r) for i, r in enumerate(found) if isinstance(r, ChunkReservation)]
-        present = sum(r is True for r in found)
-        saves.unbook(ns, room - len(taken))
-        saves.counters.add_many({"saves": 1, "save_chunks": len(keys), "save_present": present,
-                                 "save_dropped_no_slot": len(found) - present - len(taken),
-                                 "save_dropped_budget": len(keys) - room})
-        job.ticket.present = present
-        job.ticket.taken = [r is not None and r is not False for r in found] \
-            + [False] * (len(keys) - room)
-        try:
-            for i, r in taken:
-                job.fill(i, r.view)
-        except Exception:
-            log.exception("kvpool: filling a deferred save failed; dropped")
-            for i, r in taken:
-                r.abort()
-                job.ticket.taken[i] = False
-            saves.unbook(ns, len(taken))
-            saves.counters.add("save_dropped_fill", len(taken))
-            return 0
-        return saves.commit_now(ns, [r for _, r in taken]) if taken else 0
+        return pipeline.run_deferred(self, self._saves, job, self._closed)
 
     def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle:
         """Make ``keys`` readable in place: wait for the commits of those being saved
@@ -658,27 +610,17 @@ class KVPool:
         ``handle.loaded`` how many leading chunks are there. Release the handle. Same checks
         as ``get_many_into``; a tier fault is a miss."""
         self._registered(ns, keys)
-        keys = list(keys)
-        self._saves.wait_committed(ns.id, keys)
-        pins: list[PinnedView | None] = self._pin(ns, keys, True) \
-            if self._front is not None else [None] * len(keys)
-        sources: list[memoryview | None] = [p.data if p is not None else None for p in pins]
-        rest = [i for i, p in enumerate(pins) if p is None]
-        bufs = []
-        give = self._saves.buffers(ns.chunk_bytes).give
-        if rest:
-            pool_bufs = self._saves.buffers(ns.chunk_bytes)
-            bufs = [pool_bufs.take() for _ in rest]
-            try:
-                got = self._read_into(ns, [keys[i] for i in rest],
-                                      [byte_view(b, writable=True) for b in bufs])
-            except BaseException:
-                LoadHandle(sources, pins, bufs, give).release()
-                raise
-            for i, buf, hit in zip(rest, bufs, got, strict=True):
-                if hit:
-                    sources[i] = byte_view(buf).toreadonly()
-        return LoadHandle(sources, pins, bufs, give)
+        return pipeline.open_load(self, self._saves, ns, list(keys))
+
+    def pin_for_load(self, ns: Namespace, keys: Sequence[bytes]) -> list[Pinned | None]:
+        """The load pipeline's pins (``saves.SaveSide``): DRAM's, fetching lower tiers'."""
+        if self._front is None:
+            return [None] * len(keys)
+        return list(self._pin(ns, keys, True))
+
+    def read_for_load(self, ns: Namespace, keys: Sequence[bytes],
+                      views: list[memoryview]) -> list[bool]:
+        return self._read_into(ns, keys, views)
 
     def load(self, ns: Namespace, keys: Sequence[bytes], scatter: Scatter) -> int:
         """Deliver the longest leading run of ``keys`` the pool can: ``scatter(i, view)`` for
@@ -686,12 +628,7 @@ class KVPool:
         valid only during the call (see ``open_load`` for where it comes from). Returns the
         run's length: the engine recomputes from ``keys[returned]``. An exception from
         ``scatter`` releases everything and is re-raised."""
-        with self.open_load(ns, keys) as handle:
-            for i in range(handle.loaded):
-                view = handle.sources[i]
-                assert view is not None
-                scatter(i, view)
-            return handle.loaded
+        return pipeline.load(self.open_load(ns, keys), scatter)
 
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
@@ -885,6 +822,12 @@ class KVPool:
         """``contains`` per key, each tier asked once for the batch."""
         self._registered(ns, keys)
         return self._held_locally(ns.id, keys, stop_at_miss=False)
+
+    def mark_saving(self, ns: Namespace, keys: Sequence[bytes], on: bool) -> None:
+        """Count ``keys`` as on their way to a commit (``on``), or no longer: the host pool
+        marks what an attached engine handed to its committer, so every engine's lookups
+        count it and its reads wait for the commit, as for this pool's own saves."""
+        (self._saves.mark if on else self._saves.unmark)(ns.id, keys)
 
     def saving_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
         """Per key: is it on its way to a commit (saved, not yet published)? Same checks as

@@ -26,18 +26,17 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvpool.buffers import byte_view
 from kvpool.counters import Counters
 from kvpool.priority import lower_thread_priority
 from kvpool.ssd.directio import AlignedBuffers
 
 if TYPE_CHECKING:
     from kvpool.keys import Namespace
-    from kvpool.pool import ChunkReservation
-    from kvpool.tiers.slots import PinnedView
 
 log = logging.getLogger("kvpool.saves")
 
@@ -45,6 +44,47 @@ log = logging.getLogger("kvpool.saves")
 Fill = Callable[[int, memoryview], None]
 #: ``scatter(index, view)``: copy chunk ``keys[index]`` from ``view`` (read-only) into the engine.
 Scatter = Callable[[int, memoryview], None]
+
+class Reservation(Protocol):
+    """Room for one chunk being saved (KVPool's ChunkReservation, AttachedPool's
+    AttachedReservation): filled through ``view``, given back by ``abort`` (a no-op once
+    committed)."""
+
+    key: bytes
+    view: memoryview
+
+    def abort(self) -> None: ...
+
+
+class Pinned(Protocol):
+    """A pinned read-only chunk (PinnedView, AttachedView): ``data`` until ``release``."""
+
+    data: memoryview
+
+    def release(self) -> None: ...
+
+
+class SaveSide(Protocol):
+    """What the save / load pipeline asks of a pool, embedded (KVPool) or attached
+    (AttachedPool); the functions below are the pipeline itself, shared by both. Each is
+    called after the pool's own checks (open, namespace registered, keys)."""
+
+    def reserve_for_save(self, ns: Namespace, keys: Sequence[bytes],
+                         saving: bool) -> Sequence[Reservation | bool | None]:
+        """Per key, never waiting for a slot: a reservation, True (already stored; with
+        ``saving``, also when it is on its way to a commit) or False / None (dropped)."""
+        ...
+
+    def pin_for_load(self, ns: Namespace, keys: Sequence[bytes]) -> list[Pinned | None]:
+        """Pin what the fast tier holds, reading slower tiers' chunks into free slots first
+        (None: not pinned); commits were waited for already."""
+        ...
+
+    def read_for_load(self, ns: Namespace, keys: Sequence[bytes],
+                      views: list[memoryview]) -> list[bool]:
+        """Read chunks no slot could be pinned for into ``views``; per key: found."""
+        ...
+
 
 #: The drop counters of saves, one per cause (``KVPool.stats()["saves"]``).
 SAVE_COUNTERS = ("saves", "save_chunks", "save_stored", "save_present", "save_dropped_budget",
@@ -90,13 +130,13 @@ class SaveBatch:
     __slots__ = ("_pipeline", "_reservations", "held", "keys", "ns", "present", "views")
 
     def __init__(self, pipeline: SavePipeline, ns: Namespace, keys: Sequence[bytes],
-                 reservations: list[ChunkReservation | None], held: list[bool]) -> None:
+                 reservations: list[Reservation | None], held: list[bool]) -> None:
         self._pipeline = pipeline
         self.ns, self.keys = ns, list(keys)
         #: Per key: already stored or on its way (nothing to fill).
         self.held = held
         self.present = sum(held)
-        self._reservations: list[ChunkReservation | None] | None = reservations
+        self._reservations: list[Reservation | None] | None = reservations
         self.views: list[memoryview | None] = [r.view if r is not None else None
                                                for r in reservations]
 
@@ -140,7 +180,7 @@ class LoadHandle:
     engine recomputes from ``keys[loaded]``. ``release()`` (or the end of a ``with`` block)
     gives the pins and buffers back; the views are invalid after it."""
 
-    def __init__(self, sources: list[memoryview | None], pins: list[PinnedView | None],
+    def __init__(self, sources: list[memoryview | None], pins: list[Pinned | None],
                  bufs: list[np.ndarray], give: Callable[[np.ndarray], None]) -> None:
         self.sources = sources
         self._pins, self._bufs, self._give = pins, bufs, give
@@ -170,7 +210,7 @@ class LoadHandle:
 class _Commit:
     __slots__ = ("before", "ns", "reservations", "ticket")
 
-    def __init__(self, ns: Namespace, reservations: list[ChunkReservation],
+    def __init__(self, ns: Namespace, reservations: list[Reservation],
                  ticket: SaveTicket, before: Callable[[], None] | None = None) -> None:
         self.ns, self.reservations, self.ticket = ns, reservations, ticket
         self.before = before
@@ -189,13 +229,17 @@ class _Deferred:
 class SavePipeline:
     """The budget, the chunks on their way to a commit (by namespace id and key) and the
     committer thread of one pool. ``commit`` is the pool's ``commit_many``; ``run_deferred``
-    runs a deferred save (reserve, fill, commit) on the committer."""
+    runs a deferred save (reserve, fill, commit) on the committer; ``handed`` (optional) is
+    told of the reservations of each commit as it is queued (an attached pool tells the host
+    pool, so other engines wait for it too)."""
 
-    def __init__(self, commit: Callable[[Sequence[ChunkReservation]], int],
+    def __init__(self, commit: Callable[[Sequence[Reservation]], int],
                  run_deferred: Callable[[_Deferred], int], budget_bytes: int,
-                 commit_wait_s: float, nice: int = 0) -> None:
+                 commit_wait_s: float, nice: int = 0,
+                 handed: Callable[[Sequence[Reservation]], None] | None = None) -> None:
         self._commit = commit
         self._run_deferred = run_deferred
+        self._handed = handed
         self.budget_bytes = budget_bytes
         self.commit_wait_s = commit_wait_s
         self._nice = nice
@@ -228,6 +272,14 @@ class SavePipeline:
             return self._booked
 
     # ---------------------------------------------------------------- read-your-writes
+    def mark(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
+        """Count ``keys`` as on their way to a commit until ``unmark`` (a host pool marks
+        the chunks an attached engine handed to its committer)."""
+        self._mark(ns_id, keys)
+
+    def unmark(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
+        self._unmark(ns_id, keys)
+
     def _mark(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
@@ -275,7 +327,7 @@ class SavePipeline:
                                                     daemon=True)
                     self._thread.start()
 
-    def hand_over(self, ns: Namespace, reservations: list[ChunkReservation],
+    def hand_over(self, ns: Namespace, reservations: list[Reservation],
                   ticket: SaveTicket, before: Callable[[], None] | None = None) -> None:
         """Mark the chunks as being saved, queue their commit, ``before`` first (after
         ``close``: drop them, ``before`` not run)."""
@@ -287,6 +339,8 @@ class SavePipeline:
             ticket.finish(0)
             return
         self._mark(ns.id, [r.key for r in reservations])
+        if self._handed is not None:
+            self._handed(reservations)
         self._start()
         self._queue.put(_Commit(ns, reservations, ticket, before))
 
@@ -331,7 +385,7 @@ class SavePipeline:
         self._unmark(job.ns.id, [r.key for r in job.reservations])
         job.ticket.finish(stored)
 
-    def commit_now(self, ns: Namespace, reservations: list[ChunkReservation]) -> int:
+    def commit_now(self, ns: Namespace, reservations: list[Reservation]) -> int:
         """Commit booked, filled reservations in this thread; every fault is a counted drop.
         Returns how many are stored."""
         try:
@@ -373,6 +427,114 @@ class SavePipeline:
             if bufs is None:
                 bufs = self._bufs[nbytes] = AlignedBuffers(nbytes)
             return bufs
+
+
+# -------------------------------------------------------------------- the pipeline itself
+def begin_save(side: SaveSide, saves: SavePipeline, ns: Namespace,
+               keys: list[bytes]) -> SaveBatch:
+    """``begin_save`` of either pool, after its checks and its retention: book the budget,
+    reserve without waiting, count the drops."""
+    room = saves.book(ns, len(keys))
+    found = side.reserve_for_save(ns, keys[:room], True) if room else []
+    reservations: list[Reservation | None] = []
+    held = [slot is True for slot in found] + [False] * (len(keys) - room)
+    no_slot = 0
+    for slot in found:
+        if slot is None or isinstance(slot, bool):
+            reservations.append(None)
+            no_slot += slot is not True
+        else:
+            reservations.append(slot)
+    saves.unbook(ns, room - sum(r is not None for r in reservations))
+    reservations.extend([None] * (len(keys) - room))
+    saves.counters.add_many({"saves": 1, "save_chunks": len(keys),
+                             "save_present": sum(held), "save_dropped_no_slot": no_slot,
+                             "save_dropped_budget": len(keys) - room})
+    return SaveBatch(saves, ns, keys, reservations, held)
+
+
+def save_inline(side: SaveSide, saves: SavePipeline, ns: Namespace, keys: list[bytes],
+                fill: Fill) -> SaveTicket:
+    """``save`` without ``defer``: reserve, ``fill`` each slot here, hand the commit over.
+    An exception from ``fill`` aborts the slots (``save_dropped_fill``) and is re-raised."""
+    batch = begin_save(side, saves, ns, keys)
+    try:
+        for i, view in enumerate(batch.views):
+            if view is not None:
+                fill(i, view)
+    except BaseException:
+        batch.abort("save_dropped_fill")
+        raise
+    return batch.commit()
+
+
+def run_deferred(side: SaveSide, saves: SavePipeline, job: _Deferred, closed: bool) -> int:
+    """A deferred save, on the save thread: reserve (its own chunks are on their way, so
+    they must not count as stored), fill, commit. Returns how many are stored; a failing
+    ``fill`` is logged and drops the save (``save_dropped_fill``)."""
+    if closed:
+        saves.counters.add_many({"saves": 1, "save_chunks": len(job.keys),
+                                 "save_dropped_aborted": len(job.keys)})
+        return 0
+    ns, keys = job.ns, job.keys
+    room = saves.book(ns, len(keys))
+    found = side.reserve_for_save(ns, keys[:room], False) if room else []
+    taken = [(i, r) for i, r in enumerate(found) if not (r is None or isinstance(r, bool))]
+    present = sum(r is True for r in found)
+    saves.unbook(ns, room - len(taken))
+    saves.counters.add_many({"saves": 1, "save_chunks": len(keys), "save_present": present,
+                             "save_dropped_no_slot": len(found) - present - len(taken),
+                             "save_dropped_budget": len(keys) - room})
+    job.ticket.present = present
+    job.ticket.taken = [r is not None and r is not False for r in found] \
+        + [False] * (len(keys) - room)
+    try:
+        for i, r in taken:
+            job.fill(i, r.view)
+    except Exception:
+        log.exception("kvpool: filling a deferred save failed; dropped")
+        for i, r in taken:
+            r.abort()
+            job.ticket.taken[i] = False
+        saves.unbook(ns, len(taken))
+        saves.counters.add("save_dropped_fill", len(taken))
+        return 0
+    return saves.commit_now(ns, [r for _, r in taken]) if taken else 0
+
+
+def open_load(side: SaveSide, saves: SavePipeline, ns: Namespace,
+              keys: list[bytes]) -> LoadHandle:
+    """``open_load`` of either pool, after its checks: wait for commits in flight, pin,
+    read the rest into the pipeline's staging buffers. A fault while reading releases
+    what was taken and is re-raised."""
+    saves.wait_committed(ns.id, keys)
+    pins = side.pin_for_load(ns, keys)
+    sources: list[memoryview | None] = [p.data if p is not None else None for p in pins]
+    rest = [i for i, p in enumerate(pins) if p is None]
+    pool_bufs = saves.buffers(ns.chunk_bytes)
+    bufs = [pool_bufs.take() for _ in rest]
+    if rest:
+        try:
+            got = side.read_for_load(ns, [keys[i] for i in rest],
+                                     [byte_view(b, writable=True) for b in bufs])
+        except BaseException:
+            LoadHandle(sources, pins, bufs, pool_bufs.give).release()
+            raise
+        for i, buf, hit in zip(rest, bufs, got, strict=True):
+            if hit:
+                sources[i] = byte_view(buf).toreadonly()
+    return LoadHandle(sources, pins, bufs, pool_bufs.give)
+
+
+def load(handle: LoadHandle, scatter: Scatter) -> int:
+    """``load``: ``scatter`` the handle's leading run in order, then release it (also when
+    ``scatter`` raises, which is re-raised). Returns the run's length."""
+    with handle:
+        for i in range(handle.loaded):
+            view = handle.sources[i]
+            assert view is not None
+            scatter(i, view)
+        return handle.loaded
 
 
 def stats_of(pipeline: SavePipeline) -> dict[str, Any]:

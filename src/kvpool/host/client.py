@@ -26,10 +26,11 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.registry import CollectorRegistry
 
+from kvpool import saves as pipeline
 from kvpool.buffers import byte_view
 from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
 from kvpool.config import Config, load_config
@@ -38,6 +39,19 @@ from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
 from kvpool.host import wire
 from kvpool.host.link import AttachError, Detached, Link
 from kvpool.keys import Namespace
+from kvpool.retention import Retention
+from kvpool.saves import (
+    Fill,
+    LoadHandle,
+    Pinned,
+    Reservation,
+    SaveBatch,
+    SavePipeline,
+    SaveTicket,
+    Scatter,
+    _Deferred,
+    stats_of,
+)
 
 log = logging.getLogger("kvpool.host")
 
@@ -115,6 +129,13 @@ class AttachedPool:
                                   "detached_drops", "misses", "dram_hits", "fallback_hits")
         self.metrics = CollectorRegistry(auto_describe=False)
         self.metrics_url: str | None = None
+        pool = self.config.pool
+        #: This engine's saves: its budget, its committer, its read-your-writes; the host
+        #: pool is told of each commit queued (``_handed``) so every engine waits for it.
+        self._saves = SavePipeline(
+            lambda r: self.commit_many(cast("list[AttachedReservation]", r)),
+            self._run_deferred, pool.save_budget_bytes, pool.save_commit_wait_s,
+            pool.background_nice, handed=self._handed)
         self._link(raise_refused=True)
 
     # ------------------------------------------------------------------ the link
@@ -244,7 +265,7 @@ class AttachedPool:
         """As KVPool's (True: already stored; False: dropped). The host pool may wait for a
         slot up to its dram.put_wait_s whatever ``wait`` says. Detached: all False."""
         self._registered(ns, keys)
-        asked = self._ask(wire.RESERVE, ns, keys)
+        asked = self._ask(wire.RESERVE, ns, keys, wait=wait)
         if asked is None:
             self._miss(len(keys), "detached_drops")
             return [False] * len(keys)
@@ -282,6 +303,83 @@ class AttachedPool:
             stored += int(meta["n"])
         return stored
 
+    # ------------------------------------------------------------------ save / load
+    def retain(self, ns: Namespace, keys: Sequence[bytes],
+               retention: Retention | None) -> None:
+        """Record ``retention`` for ``keys`` in the host pool (as KVPool.retain: raises
+        PinLimitError for pins past the host's bound); nothing to do for None. Detached:
+        nothing recorded (the save that follows is dropped anyway)."""
+        if retention is None:
+            return
+        self._registered(ns, keys)
+        self._ask(wire.RETAIN, ns, keys, retention=retention.to_mapping())
+
+    def begin_save(self, ns: Namespace, keys: Sequence[bytes],
+                   retention: Retention | None = None) -> SaveBatch:
+        """As KVPool.begin_save: slots of the host's arena, reserved without waiting,
+        filled in place through the mapping, committed by this engine's committer (one
+        request per batch). Detached: every chunk is a counted drop (``save_dropped_no_slot``
+        and ``detached_drops``)."""
+        self._registered(ns, keys)
+        self.retain(ns, keys, retention)
+        return pipeline.begin_save(self, self._saves, ns, list(keys))
+
+    def save(self, ns: Namespace, keys: Sequence[bytes], fill: Fill, *,
+             defer: bool = False, retention: Retention | None = None) -> SaveTicket:
+        """As KVPool.save (same ticket, same ``defer``, same faults)."""
+        self._registered(ns, keys)
+        self.retain(ns, keys, retention)
+        if not defer:
+            return pipeline.save_inline(self, self._saves, ns, list(keys), fill)
+        ticket = SaveTicket(keys, 0)
+        self._saves.defer(_Deferred(ns, list(keys), fill, ticket))
+        return ticket
+
+    def _run_deferred(self, job: _Deferred) -> int:
+        return pipeline.run_deferred(self, self._saves, job, self._closed)
+
+    def _handed(self, reservations: Sequence[Reservation]) -> None:
+        """Tell the host pool which reservations wait for this engine's commit (no answer
+        awaited; a lost link is quiet: its reservations are void anyway)."""
+        by_link: dict[int, list[AttachedReservation]] = {}
+        for r in cast("Sequence[AttachedReservation]", reservations):
+            by_link.setdefault(id(r._link), []).append(r)
+        for group in by_link.values():
+            group[0]._link.send({"op": wire.SAVING, "ids": [r._id for r in group]})
+
+    def reserve_for_save(self, ns: Namespace, keys: Sequence[bytes],
+                         saving: bool) -> list[AttachedReservation | bool | None]:
+        """The save pipeline's reservation (``saves.SaveSide``): chunks this engine is
+        saving count as stored (with ``saving``), the host is asked for the rest."""
+        local = self._saves.saving(ns.id, keys) if saving else [False] * len(keys)
+        todo = [i for i, flag in enumerate(local) if not flag]
+        out: list[AttachedReservation | bool | None] = [True] * len(keys)
+        if todo:
+            got = self.reserve_many(ns, [keys[i] for i in todo], wait=False)
+            for i, r in zip(todo, got, strict=True):
+                out[i] = r
+        return out
+
+    def open_load(self, ns: Namespace, keys: Sequence[bytes]) -> LoadHandle:
+        """As KVPool.open_load: this engine's saves of ``keys`` are waited for (the host
+        pool waits for other engines'), the chunks are pinned in the host's arena (fetched
+        from its lower tiers first) and read in place through the mapping. Detached: all
+        misses (``loaded`` 0)."""
+        self._registered(ns, keys)
+        return pipeline.open_load(self, self._saves, ns, list(keys))
+
+    def load(self, ns: Namespace, keys: Sequence[bytes], scatter: Scatter) -> int:
+        """As KVPool.load: ``scatter(i, view)`` over the leading run, straight from the
+        mapped arena; returns the run's length."""
+        return pipeline.load(self.open_load(ns, keys), scatter)
+
+    def pin_for_load(self, ns: Namespace, keys: Sequence[bytes]) -> list[Pinned | None]:
+        return list(self._pin_many(ns, keys, True))
+
+    def read_for_load(self, ns: Namespace, keys: Sequence[bytes],
+                      views: list[memoryview]) -> list[bool]:
+        return self._get_many_into(ns, keys, views)
+
     # ------------------------------------------------------------------ reads
     def get_into(self, ns: Namespace, key: bytes, out: Any) -> bool:
         return self.get_many_into(ns, [key], [out])[0]
@@ -295,6 +393,12 @@ class AttachedPool:
         views = [byte_view(o, writable=True) for o in outs]
         for view in views:
             check_size(ns, view, "output buffer")
+        self._saves.wait_committed(ns.id, keys)
+        return self._get_many_into(ns, keys, views)
+
+    def _get_many_into(self, ns: Namespace, keys: Sequence[bytes],
+                       views: Sequence[memoryview]) -> list[bool]:
+        """``get_many_into`` after its checks and its wait for this engine's commits."""
         asked = self._ask(wire.PIN, ns, keys, fetch=True, read=True)
         if asked is None:
             self._miss(len(keys))
@@ -326,8 +430,14 @@ class AttachedPool:
                  fetch: bool = False) -> list[AttachedView | None]:
         """Zero-copy read-only views of the chunks the host's DRAM holds (``fetch``: lower
         tiers' chunks read into free host slots first); None for the others, and for all
-        while detached. Release every view."""
+        while detached. Release every view. This engine's saves of ``keys`` are waited for
+        first (``pool.save_commit_wait_s``)."""
         self._registered(ns, keys)
+        self._saves.wait_committed(ns.id, keys)
+        return self._pin_many(ns, keys, fetch)
+
+    def _pin_many(self, ns: Namespace, keys: Sequence[bytes],
+                  fetch: bool) -> list[AttachedView | None]:
         asked = self._ask(wire.PIN, ns, keys, fetch=fetch)
         if asked is None:
             self._miss(len(keys))
@@ -388,8 +498,11 @@ class AttachedPool:
 
     # ------------------------------------------------------------------ admin
     def flush(self, timeout: float | None = None) -> bool:
-        """The host pool's flush (its write-behind queues); True while detached."""
+        """This engine's saves committed, then the host pool's flush (its write-behind
+        queues); True while detached once the saves ran."""
         self._check_open()
+        if not self._saves.flush(timeout):
+            return False
         link = self._link()
         if link is None:
             return True
@@ -408,7 +521,8 @@ class AttachedPool:
         if link is not None:
             with contextlib.suppress(Detached):
                 out = link.call({"op": wire.STATS})[0]["stats"]
-        out["attached"] = {**self._counters.snapshot(), "attached": self.attached}
+        out["attached"] = {**self._counters.snapshot(), "attached": self.attached,
+                           "saves": stats_of(self._saves)}
         return out
 
     def record_latency(self, enabled: bool) -> None:
@@ -421,6 +535,8 @@ class AttachedPool:
             if self._closed:
                 return
             self._closed = True
+        self._saves.close()  # commits what was handed over while the link may still live
+        with self._lock:
             link, self._link_now = self._link_now, None
         if link is not None:
             link.close()

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from kvpool.config import HostConfig
-from kvpool.errors import ArgumentError, KVPoolError
+from kvpool.errors import ArgumentError, KVPoolError, PinLimitError
 from kvpool.host import wire
 from kvpool.host.cuda import register_host_memory, unregister_host_memory
 from kvpool.tiers.prefault import map_address
@@ -102,6 +102,8 @@ class Link:
                 self._close_locked()
                 raise Detached(f"host pool connection lost: {exc}") from None
         if not answer.get("ok"):
+            if answer.get("kind") == PinLimitError.__name__:
+                raise PinLimitError(str(answer.get("error")))
             raise ArgumentError(f"host pool refused {meta.get('op')}: {answer.get('error')}")
         return answer, payload
 

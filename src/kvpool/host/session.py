@@ -18,6 +18,7 @@ from kvpool.host import wire
 from kvpool.host.tenants import SHARED_TENANT, TenantPool
 from kvpool.keys import Namespace
 from kvpool.pool import ChunkReservation
+from kvpool.retention import Retention
 from kvpool.tiers.slots import PinnedView
 
 Answer = tuple[dict[str, Any], bytes | bytearray | memoryview]
@@ -36,6 +37,9 @@ class Session:
         self._namespaces: dict[str, Namespace] = {}
         self._pins: dict[int, PinnedView] = {}
         self._reservations: dict[int, ChunkReservation] = {}
+        #: Reservations the engine handed to its committer: every engine's lookups count
+        #: them and reads wait for their commit (the tenant pool's read-your-writes).
+        self._saving: set[int] = set()
         self._next = 0
 
     @property
@@ -140,7 +144,7 @@ class Session:
     def _op_reserve(self, meta: dict[str, Any], tail: bytearray) -> Answer:
         ns, keys = self._ns(meta), self._keys(meta, tail)
         room = self._max_held - self.held
-        got = self.pool.reserve_many(ns, keys[:max(room, 0)])
+        got = self.pool.reserve_many(ns, keys[:max(room, 0)], wait=meta.get("wait") is not False)
         out: list[Any] = []
         for r in got:
             if isinstance(r, ChunkReservation):
@@ -158,16 +162,53 @@ class Session:
         if r is not None and r.slot is None and len(tail) == r.view.nbytes:
             r.view[:] = tail
 
+    def _op_saving(self, meta: dict[str, Any], tail: bytearray) -> None:
+        ids = [rid for rid in self._ids(meta)
+               if rid in self._reservations and rid not in self._saving]
+        self._saving.update(ids)
+        self._mark(ids, True)
+
+    def _mark(self, ids: list[int], on: bool) -> None:
+        by_ns: dict[bytes, tuple[Namespace, list[bytes]]] = {}
+        for rid in ids:
+            r = self._reservations[rid]
+            by_ns.setdefault(r.ns.id, (r.ns, []))[1].append(r.key)
+        for ns, keys in by_ns.values():
+            self.pool.mark_saving(ns, keys, on)
+
+    def _end(self, ids: list[int]) -> list[ChunkReservation]:
+        """Take reservations off this connection (unmarking those being saved)."""
+        ids = [rid for rid in dict.fromkeys(ids) if rid in self._reservations]
+        saving = [rid for rid in ids if rid in self._saving]
+        try:
+            return [self._reservations[rid] for rid in ids]
+        finally:
+            if saving:
+                self._saving.difference_update(saving)
+                self._mark(saving, False)
+            for rid in ids:
+                del self._reservations[rid]
+
     def _op_commit(self, meta: dict[str, Any], tail: bytearray) -> Answer:
-        taken = [r for rid in self._ids(meta)
-                 if (r := self._reservations.pop(rid, None)) is not None]
-        return {"ok": True, "n": self.pool.commit_many(taken) if taken else 0}, b""
+        ids = [rid for rid in self._ids(meta) if rid in self._reservations]
+        taken = [self._reservations[rid] for rid in ids]
+        try:
+            n = self.pool.commit_many(taken) if taken else 0
+        finally:
+            self._end(ids)
+        return {"ok": True, "n": n}, b""
 
     def _op_abort(self, meta: dict[str, Any], tail: bytearray) -> None:
-        for rid in self._ids(meta):
-            r = self._reservations.pop(rid, None)
-            if r is not None:
-                r.abort()
+        for r in self._end(self._ids(meta)):
+            r.abort()
+
+    def _op_retain(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        spec = meta.get("retention")
+        if not isinstance(spec, dict):
+            raise Refused("retention must be an object")
+        retention = Retention.from_mapping(spec)  # ArgumentError: answered ok: false
+        self.pool.retain(self._ns(meta), self._keys(meta, tail), retention)
+        return {"ok": True}, b""
 
     def _op_delete(self, meta: dict[str, Any], tail: bytearray) -> Answer:
         ns = self._ns(meta)
@@ -193,8 +234,8 @@ class Session:
     def close(self) -> None:
         """Release every pin, abort every reservation. Idempotent; never raises."""
         pins, self._pins = list(self._pins.values()), {}
-        reservations, self._reservations = list(self._reservations.values()), {}
         for view in pins:
             view.release()
+        reservations = self._end(list(self._reservations))
         for r in reservations:
             r.abort()

@@ -33,6 +33,8 @@ PIN = "pin"
 UNPIN = "unpin"        # no answer: sent ahead of the next request
 RESERVE = "reserve"
 COMMIT = "commit"
+SAVING = "saving"      # no answer: reservations handed to the engine's committer
+RETAIN = "retain"
 ABORT = "abort"        # no answer
 PUT = "put"            # payload in the tail: a reservation that got no arena slot
 GET = "get"            # answer payload in the tail: chunks no DRAM slot could take
@@ -41,7 +43,7 @@ INVALIDATE = "invalidate"
 TOUCH = "touch"
 FLUSH = "flush"
 STATS = "stats"
-NO_ANSWER = frozenset({UNPIN, ABORT})
+NO_ANSWER = frozenset({UNPIN, ABORT, SAVING})
 
 
 class WireError(ConnectionError):
