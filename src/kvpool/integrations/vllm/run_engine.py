@@ -5,7 +5,9 @@ SPEC keys: ``model`` (local HF dir), ``prompts`` (lists of token ids), ``max_tok
 ``logprobs`` (int or null), ``repeats`` (each prompt is run this many times in a row, default
 1), ``connector`` (null, or {"name": "kvpool"|"example", "extra": {...}}), and engine options
 ``block_size``, ``max_model_len``, ``max_num_batched_tokens``, ``enable_prefix_caching``
-(default false: only the connector reuses KV), ``dtype``, ``seed``.
+(default false: only the connector reuses KV), ``dtype``, ``seed``, ``tensor_parallel_size``
+and ``distributed_executor_backend`` (on CPU, TP=2 needs ``"mp"`` and
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``: one rank per core).
 OUT: ``{"outputs": [{"token_ids", "logprobs", "wall_s"}...], "connector_stats": {...},
 "engine": {...}}``; ``connector_stats`` is what the kvpool worker wrote at shutdown (rank 0),
 or null; ``engine`` is what ran, as vLLM resolved it (see ``engine_info``).
@@ -70,7 +72,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "enable_prefix_caching": spec.get("enable_prefix_caching", False),
         "kv_transfer_config": _kv_transfer(spec, stats_path),
     }
-    for key in ("block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+    for key in ("block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                "tensor_parallel_size", "distributed_executor_backend"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
     llm = LLM(**kwargs)

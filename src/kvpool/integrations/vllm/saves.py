@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from kvpool.host.client import AttachedPool
 from kvpool.integrations.retention import retain_for_save, retention_now
 from kvpool.integrations.vllm.plan import ReqTransfer
 from kvpool.integrations.vllm.stats import StatsWriter
@@ -53,7 +54,7 @@ class _PendingSave:
 class Saves:
     """``pages_of(view)`` shows a chunk buffer as ``[layers, blocks_per_chunk, *page_shape]``."""
 
-    def __init__(self, pool: KVPool, ns: Namespace, tp_rank: int, stats: StatsWriter,
+    def __init__(self, pool: KVPool | AttachedPool, ns: Namespace, tp_rank: int, stats: StatsWriter,
                  pages_of: Callable[[memoryview], torch.Tensor]) -> None:
         self.pool, self.ns, self.tp_rank, self.stats = pool, ns, tp_rank, stats
         self._pages_of = pages_of

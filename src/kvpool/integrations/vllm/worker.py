@@ -35,6 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from kvpool.host import open_pool
+from kvpool.host.client import AttachedPool
 from kvpool.integrations.vllm.layout import (
     EngineIdentity,
     PageGeometry,
@@ -69,7 +71,8 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.ident = ident
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.pool = KVPool(settings.pool_config(tp_rank, tp_size))
+        #: Attached to the host's pool with ``host.socket`` in the config, else embedded.
+        self.pool: KVPool | AttachedPool = open_pool(settings.pool_config(tp_rank, tp_size))
         window = settings.prefetch_window_tokens
         self._prefetch_chunks = self.pool.config.pool.prefetch_window_chunks if window is None \
             else -(-window // settings.chunk_tokens)
