@@ -314,6 +314,25 @@ class AttachedPool:
         self._registered(ns, keys)
         self._ask(wire.RETAIN, ns, keys, retention=retention.to_mapping())
 
+    def release(self, session: str, delete: bool = False) -> int:
+        """As KVPool.release, in the host pool (this engine's tenant); 0 while detached."""
+        self._check_open()
+        if not isinstance(session, str) or not session:
+            raise ArgumentError(f"session must be a non-empty string, got {session!r}")
+        link = self._link()
+        if link is None:
+            return 0
+        try:
+            meta, _ = link.call({"op": wire.RELEASE, "session": session, "delete": delete})
+        except Detached:
+            return 0
+        return int(meta["n"])
+
+    def saving_many(self, ns: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: is this engine saving it (handed to its committer, not yet published)?"""
+        self._registered(ns, keys)
+        return self._saves.saving(ns.id, keys)
+
     def begin_save(self, ns: Namespace, keys: Sequence[bytes],
                    retention: Retention | None = None) -> SaveBatch:
         """As KVPool.begin_save: slots of the host's arena, reserved without waiting,

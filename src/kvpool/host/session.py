@@ -210,6 +210,12 @@ class Session:
         self.pool.retain(self._ns(meta), self._keys(meta, tail), retention)
         return {"ok": True}, b""
 
+    def _op_release(self, meta: dict[str, Any], tail: bytearray) -> Answer:
+        session = meta.get("session")
+        if not isinstance(session, str):
+            raise Refused("session must be a string")
+        return {"ok": True, "n": self.pool.release(session, meta.get("delete") is True)}, b""
+
     def _op_delete(self, meta: dict[str, Any], tail: bytearray) -> Answer:
         ns = self._ns(meta)
         return {"ok": True, "n": sum(self.pool.delete(ns, k)

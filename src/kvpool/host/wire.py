@@ -35,6 +35,7 @@ RESERVE = "reserve"
 COMMIT = "commit"
 SAVING = "saving"      # no answer: reservations handed to the engine's committer
 RETAIN = "retain"
+RELEASE = "release"
 ABORT = "abort"        # no answer
 PUT = "put"            # payload in the tail: a reservation that got no arena slot
 GET = "get"            # answer payload in the tail: chunks no DRAM slot could take

@@ -30,11 +30,15 @@ from prometheus_client.registry import CollectorRegistry
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvpool.config import Config
+from kvpool.host import open_pool
+from kvpool.host.client import AttachedPool
 from kvpool.integrations.retention import merged_retention, retain_for_save, retention_now
 from kvpool.integrations.torch_dtypes import kv_dtype_name
 from kvpool.keys import KVLayout, Namespace
 from kvpool.metrics.engine import EngineCollector, EngineCounts
 from kvpool.metrics.recorder import LabeledLatency
+from kvpool.pool import KVPool
 from kvpool.retention import Retention
 from kvpool.saves import Fill, LoadHandle, SaveTicket
 
@@ -160,6 +164,23 @@ class PrefixCache:
         self._registry = registry if isinstance(registry, CollectorRegistry) else None
         if self._registry is not None:
             self._registry.register(self.metrics)
+        self._owned: KVPool | AttachedPool | None = None  # a pool ``open`` made: closed here
+
+    @classmethod
+    def open(cls, model: Any, config: Config | None = None, **kwargs: Any) -> PrefixCache:
+        """A PrefixCache over its own pool, opened with ``kvpool.open_pool(config)``: attached
+        to the host's pool when ``host.socket`` is set, else embedded. ``close()`` closes
+        that pool. Raises what ``open_pool`` raises (AttachError for a refused attach; a host
+        pool not there yet is not an error: misses until it is) and what the constructor
+        raises (the pool is closed then)."""
+        pool = open_pool(config)
+        try:
+            cache = cls(model, pool, **kwargs)
+        except BaseException:
+            pool.close()
+            raise
+        cache._owned = pool
+        return cache
 
     def engine_counts(self) -> EngineCounts:
         c = self.ns.chunk_tokens
@@ -360,8 +381,12 @@ class PrefixCache:
                           prefill=pre)
 
     def close(self) -> None:
+        """Wait for the saves, then close the pool if ``open`` opened it."""
         self.flush()
         if self._registry is not None:
             self._registry.unregister(self.metrics)
             self._registry = None
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            owned.close()
 

@@ -47,6 +47,8 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvpool.counters import Counters
 from kvpool.errors import ConfigError
+from kvpool.host import open_pool
+from kvpool.host.client import AttachedPool
 from kvpool.integrations.retention import retain_for_save, retention_now
 from kvpool.integrations.sglang.layout import (
     PageGeometry,
@@ -95,8 +97,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
             cp_rank=storage_config.attn_cp_rank, cp_size=storage_config.attn_cp_size,
             is_mla=storage_config.is_mla_model)
-        self.pool = KVPool(self.settings.pool_config(storage_config.tp_rank,
-                                                     storage_config.tp_size))
+        #: Attached to the host's pool with ``host.socket`` in the config, else embedded.
+        self.pool: KVPool | AttachedPool = open_pool(
+            self.settings.pool_config(storage_config.tp_rank, storage_config.tp_size))
         self.ns: Namespace | None = None
         self._copier: PageCopier | None = None
         self._prefetch = self.pool.config.pool.prefetch_window_chunks
