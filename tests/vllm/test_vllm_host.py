@@ -73,3 +73,26 @@ def test_a_prefix_one_engine_computed_is_a_hit_for_another_on_the_host_pool(
     assert c["stored_chunks"] == len(P2) // BLOCK - P2_SHARED_CHUNKS
     # both workers were attached: neither wrote an SSD of its own
     assert not list((tmp_path / "a").rglob("*.kvs")) and not list((tmp_path / "b").rglob("*.kvs"))
+
+
+#: Tensor parallelism on the 2-core CPU engine: one rank per core, gloo between them.
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+       "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+def test_tp2_both_ranks_attached_hit_what_another_tp2_engine_stored(
+        run_engine: EngineRunner, tiny_model: Path, host: dict[str, Any],
+        tmp_path: Path) -> None:
+    """Both ranks of a TP=2 engine attach to the host pool (each rank its own shard, in its
+    own namespace); a second TP=2 engine loads what the first stored, and its outputs equal
+    a TP=2 run without a connector (TP=2 and TP=1 differ in bf16 rounding)."""
+    ref = run_engine({"model": str(tiny_model), "prompts": [P1, P2], "max_tokens": 8,
+                      "logprobs": 1, "block_size": BLOCK, "max_model_len": 2048, **TP2})
+    first = run_engine({**attached(tiny_model, [P1], host, tmp_path / "a"), **TP2})
+    assert outputs(first) == outputs(ref)[:1]
+    assert counters(first)["stored_chunks"] == len(P1) // BLOCK
+    second = run_engine({**attached(tiny_model, [P1, P2], host, tmp_path / "b"), **TP2})
+    assert outputs(second) == outputs(ref)
+    for c in (counters(second), second["rank_stats"]["1"]["counters"]):  # each its shard
+        assert c["loaded_tokens"] == (P1_CHUNKS + P2_SHARED_CHUNKS) * BLOCK
+        assert c["load_failed_chunks"] == 0
