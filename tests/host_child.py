@@ -85,6 +85,15 @@ def main(mode: str, config_path: str, *args: str) -> int:
         say(holding=True, pinned=sum(v is not None for v in views),
             reserved=sum(not isinstance(r, bool) for r in reservations))
         time.sleep(600)
+    elif mode == "saving":  # a save reserved, half filled, never committed: to be killed
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, int(args[0]), int(args[1]))
+        batch = pool.begin_save(ns, keys)
+        for view, data in zip(batch.views, datas, strict=True):
+            if view is not None:
+                view[:len(data) // 2] = memoryview(data).cast("B")[:len(data) // 2]
+        say(holding=True, reserved=batch.reserved)
+        time.sleep(600)
     elif mode == "load":
         ns = pool.register_namespace(namespace())
         keys, datas = chunks(ns, 99, 4)

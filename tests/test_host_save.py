@@ -5,13 +5,14 @@ killed -9 costs misses and dropped saves, never an error or a hang."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from host_child import chunks, namespace
-from host_support import engine_config, host_config, run_child, start_host, write_config
+from host_support import child, engine_config, host_config, run_child, start_host, write_config
 from kvtest import wait_for
 
 from kvpool.config import config_from_dict
@@ -55,11 +56,14 @@ def test_a_commit_in_flight_in_one_engine_is_waited_for_by_another(tmp_path: Pat
             a.save(ns, other, _blocked_by(gate), defer=True)
             batch = a.begin_save(ns, keys)
             assert batch.reserved == 2
+            assert b.lookup(ns, keys) == 2  # counted for every engine from the reservation
             for view, d in zip(batch.views, datas, strict=True):
                 assert view is not None
                 view[:] = memoryview(d).cast("B")
+            waits = b.stats()["saves"]["load_commit_waits"]
+            assert a.pin_many(ns, keys) == [None, None]  # its own: a miss, not waited for
+            assert b.stats()["saves"]["load_commit_waits"] == waits
             ticket = batch.commit()
-            assert b.lookup(ns, keys) == 2  # counted for every engine at once
             assert b.contains_many(ns, keys) == [True, True]
             if release_after_s is not None:
                 threading.Timer(release_after_s, gate.set).start()
@@ -76,6 +80,11 @@ def test_a_commit_in_flight_in_one_engine_is_waited_for_by_another(tmp_path: Pat
             a.delete(ns, keys[0])
             a.delete(ns, keys[1])
             a.delete(ns, other[0])
+        aborted = a.begin_save(ns, keys)
+        assert b.lookup(ns, keys) == 2
+        aborted.abort()
+        # an aborted save is no longer counted (the abort travels without an answer)
+        wait_for(lambda: b.lookup(ns, keys) == 0, 10, "the abort reached the host pool")
         stats = b.stats()
         assert stats["saves"]["load_commit_timeouts"] >= 1  # the host pool's count
         assert a.stats()["attached"]["saves"]["save_stored"] >= 4
@@ -85,24 +94,16 @@ def test_a_commit_in_flight_in_one_engine_is_waited_for_by_another(tmp_path: Pat
         server.stop()
 
 
-def test_a_prefix_saved_by_one_process_is_loaded_by_another(tmp_path: Path) -> None:
-    data = host_config(tmp_path)
-    host = start_host(tmp_path, data)
-    engine = write_config(tmp_path, data, "engine.yaml")
-    try:
-        assert run_child("psave", engine, "", 7, 4) == {"stored": 4, "present": 0}
-        assert run_child("pload", engine, "", 7, 4) == {"hits": 4, "same": True, "present": 4}
-    finally:
-        host.stop()
-
-
-def test_the_host_pool_killed_costs_misses_and_drops_then_saves_resume(
+def test_one_process_saves_another_loads_then_the_host_pool_killed_costs_only_misses(
         tmp_path: Path) -> None:
     data = host_config(tmp_path)
     host = start_host(tmp_path, data)
+    engine = write_config(tmp_path, data, "engine.yaml")
     pool = AttachedPool(engine_config(data))
     server: HostServer | None = None
     try:
+        assert run_child("psave", engine, "", 7, 4) == {"stored": 4, "present": 0}
+        assert run_child("pload", engine, "", 7, 4) == {"hits": 4, "same": True, "present": 4}
         ns = pool.register_namespace(namespace())
         keys, datas = chunks(ns, 3, 3)
         assert pool.save(ns, keys, _fill(datas)).wait(10)
@@ -127,3 +128,32 @@ def test_the_host_pool_killed_costs_misses_and_drops_then_saves_resume(
         host.stop()
         if server is not None:
             server.stop()
+
+
+def test_an_engine_killed_mid_save_is_no_longer_waited_for(tmp_path: Path) -> None:
+    data = host_config(tmp_path)
+    server = HostServer(config_from_dict(data)).start()
+    pool = AttachedPool(engine_config(data))
+    proc = child("saving", write_config(tmp_path, data, "engine.yaml"), 5, 3)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline()) == {"holding": True, "reserved": 3}
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 5, 3)
+        assert pool.lookup(ns, keys) == 3  # being saved by the child
+        proc.kill()
+        proc.wait(30)
+        # its reservations and their marks died with its connection: misses, free slots
+        wait_for(lambda: pool.lookup(ns, keys) == 0, 20, "the dead engine's save ended")
+        with pool.open_load(ns, keys) as handle:
+            assert handle.loaded == 0
+        ticket = pool.save(ns, keys, _fill(datas))
+        assert ticket.wait(10) and ticket.stored == 3
+        outs = [np.zeros_like(d) for d in datas]
+        assert _load(pool, ns, keys, outs) == 3
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pool.close()
+        server.stop()

@@ -3,9 +3,9 @@ touched (ArgumentError for wrong types, ChunkSizeError for wrong buffer sizes)."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from kvpool.errors import ArgumentError, ChunkSizeError
+from kvpool.errors import ArgumentError, ChunkSizeError, PoolClosedError, UnknownNamespaceError
 from kvpool.keys import KEY_BYTES, Namespace
 
 
@@ -60,3 +60,24 @@ def check_size(ns: Namespace, view: memoryview, what: str) -> None:
     if view.nbytes != ns.chunk_bytes:
         raise ChunkSizeError(f"{what} has {view.nbytes} bytes; namespace {ns.model!r} "
                              f"chunks have {ns.chunk_bytes}")
+
+
+#: ``check_registered`` without keys to check.
+NO_KEYS = object()
+
+
+def check_registered(closed: bool, namespaces: Mapping[bytes, Namespace], ns: Namespace,
+                     keys: Sequence[bytes] | object = NO_KEYS) -> Namespace:
+    """``ns`` after checking that the pool is open (``closed``) and ``ns`` is one of its
+    ``namespaces``, and ``keys`` (when passed: None is checked, and refused, like any other
+    non-sequence) with check_keys. Raises PoolClosedError, ArgumentError,
+    UnknownNamespaceError. Shared by the embedded and the attached pool."""
+    if closed:
+        raise PoolClosedError("KVPool is closed")
+    check_namespace_type(ns)
+    if ns.id not in namespaces:
+        raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
+                                    "registered; call register_namespace first")
+    if keys is not NO_KEYS:
+        check_keys(keys)  # type: ignore[arg-type]
+    return ns

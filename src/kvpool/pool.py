@@ -32,10 +32,17 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvpool import saves as pipeline
 from kvpool.buffers import byte_view
-from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
+from kvpool.checks import (
+    NO_KEYS,
+    check_key,
+    check_namespace_type,
+    check_registered,
+    check_same_length,
+    check_size,
+)
 from kvpool.config import Config, load_config
 from kvpool.counters import Counters
-from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
+from kvpool.errors import ArgumentError, PoolClosedError
 from kvpool.keys import Namespace
 from kvpool.logs import configure_logging
 from kvpool.metrics.http import MetricsServer
@@ -91,10 +98,6 @@ class ChunkReservation:
     def abort(self) -> None:
         if self.take() and self.slot is not None:
             self.slot.abort()
-
-
-#: ``_registered`` without keys to check.
-_NO_KEYS = object()
 
 
 class KVPool:
@@ -251,18 +254,9 @@ class KVPool:
         with self._lock:
             self._namespaces.pop(ns.id, None)
 
-    def _registered(self, ns: Namespace, keys: Sequence[bytes] | object = _NO_KEYS) -> Namespace:
-        """``ns`` after checking the pool is open and ``ns`` registered, and ``keys`` (when
-        passed: None is checked, and refused, like any other non-sequence) with check_keys.
-        Raises PoolClosedError, ArgumentError, UnknownNamespaceError."""
-        self._check_open()
-        check_namespace_type(ns)
-        if ns.id not in self._namespaces:
-            raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
-                                        "registered; call register_namespace first")
-        if keys is not _NO_KEYS:
-            check_keys(keys)  # type: ignore[arg-type]
-        return ns
+    def _registered(self, ns: Namespace, keys: Sequence[bytes] | object = NO_KEYS) -> Namespace:
+        """``check_registered`` against this pool."""
+        return check_registered(self._closed, self._namespaces, ns, keys)
 
     def _check_open(self) -> None:
         if self._closed:

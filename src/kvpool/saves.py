@@ -229,17 +229,13 @@ class _Deferred:
 class SavePipeline:
     """The budget, the chunks on their way to a commit (by namespace id and key) and the
     committer thread of one pool. ``commit`` is the pool's ``commit_many``; ``run_deferred``
-    runs a deferred save (reserve, fill, commit) on the committer; ``handed`` (optional) is
-    told of the reservations of each commit as it is queued (an attached pool tells the host
-    pool, so other engines wait for it too)."""
+    runs a deferred save (reserve, fill, commit) on the committer."""
 
     def __init__(self, commit: Callable[[Sequence[Reservation]], int],
                  run_deferred: Callable[[_Deferred], int], budget_bytes: int,
-                 commit_wait_s: float, nice: int = 0,
-                 handed: Callable[[Sequence[Reservation]], None] | None = None) -> None:
+                 commit_wait_s: float, nice: int = 0) -> None:
         self._commit = commit
         self._run_deferred = run_deferred
-        self._handed = handed
         self.budget_bytes = budget_bytes
         self.commit_wait_s = commit_wait_s
         self._nice = nice
@@ -274,7 +270,7 @@ class SavePipeline:
     # ---------------------------------------------------------------- read-your-writes
     def mark(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
         """Count ``keys`` as on their way to a commit until ``unmark`` (a host pool marks
-        the chunks an attached engine handed to its committer)."""
+        the chunks an attached engine reserved for a save)."""
         self._mark(ns_id, keys)
 
     def unmark(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
@@ -339,8 +335,6 @@ class SavePipeline:
             ticket.finish(0)
             return
         self._mark(ns.id, [r.key for r in reservations])
-        if self._handed is not None:
-            self._handed(reservations)
         self._start()
         self._queue.put(_Commit(ns, reservations, ticket, before))
 

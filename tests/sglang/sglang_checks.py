@@ -169,6 +169,39 @@ def two_instances(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def attached_ranks(args: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's two-rank layout (tp_size 2) attached to one host pool (``socket``), then a
+    second instance's rank 0 attached to the same host pool."""
+    extra = {**h.DYNAMIC, "config": pool_config(args["cache_dir"],
+                                                host={"socket": args["socket"]})}
+    dev = h.device_pool(1024, PAGE, LAYERS, HEADS, DIM)
+    hosts = [h.host_pool(dev, "page_first") for _ in range(3)]
+    ranks = [h.create_backend("dynamic", hosts[r], extra, tp_rank=r, tp_size=2)
+             for r in range(2)]
+    n = 5
+    keys = keys_for(n, salt=5)  # SGLang names a page the same on every rank
+    written = []
+    out: dict[str, Any] = {"attached": [type(b.pool).__name__ for b in ranks]}
+    for r, backend in enumerate(ranks):
+        src = hosts[r].alloc(n * PAGE)
+        h.fill_random(hosts[r], src, 20 + r)
+        written.append(h.page_bytes(hosts[r], src))
+        out[f"set_{r}"] = backend.batch_set_v1(keys, src)
+    for r, backend in enumerate(ranks):  # each rank reads its own pages back
+        dst = hosts[r].alloc(n * PAGE)
+        out[f"get_{r}"] = backend.batch_get_v1(keys, dst)
+        out[f"equal_{r}"] = h.page_bytes(hosts[r], dst) == written[r]
+    other = h.create_backend("dynamic", hosts[2], extra, tp_rank=0, tp_size=2)
+    out["exists_other"] = other.batch_exists(keys)
+    dst = hosts[2].alloc(n * PAGE)
+    out["get_other"] = other.batch_get_v1(keys, dst)
+    out["other_equal_rank0"] = h.page_bytes(hosts[2], dst) == written[0]
+    out["saved"] = [b.stats()["pool"]["attached"]["saves"]["save_stored"] for b in ranks]
+    for backend in (*ranks, other):
+        backend.close()
+    return out
+
+
 def controller(args: dict[str, Any]) -> dict[str, Any]:
     """SGLang's real HiCacheController: write-back of host pages to the backend, then
     a prefetch of the same tokens into fresh host memory, driven as the scheduler drives it.
@@ -245,7 +278,7 @@ def _backend_stats(ctl: Any) -> Any:
 
 
 SCENARIOS = {"roundtrip": roundtrip, "two_instances": two_instances, "controller": controller,
-             "threads": threads}
+             "threads": threads, "attached_ranks": attached_ranks}
 
 if __name__ == "__main__":
     result = SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

@@ -4,10 +4,15 @@ controller, fault injector), each scenario in the SGLang venv (``sglang_checks.p
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from host_support import host_config
 from node_process import NodeProcess
+
+from kvpool.config import config_from_dict
+from kvpool.host.server import HostServer
 
 #: The ``run_check`` fixture of tests/sglang/conftest.py.
 RunCheck = Callable[..., dict[str, Any]]
@@ -97,3 +102,23 @@ def test_two_host_pools_share_pages_through_one_node(run_check: RunCheck,
     assert r["get_b"] == [True] * 5
     assert r["equal"] is True
     assert r["b_pool"]["remote_hits"] == 5  # instance b read them from the node
+
+
+def test_two_ranks_and_a_second_instance_attach_to_one_host_pool(
+        run_check: RunCheck, tmp_path: Path) -> None:
+    data = host_config(tmp_path / "host", dram={"capacity": "16MiB", "slab_size": "8MiB"})
+    server = HostServer(config_from_dict(data)).start()
+    try:
+        r = run_check("attached_ranks", socket=data["host"]["socket"])
+    finally:
+        server.stop()
+    assert r["attached"] == ["AttachedPool", "AttachedPool"]  # host.socket in the config
+    for rank in (0, 1):
+        assert r[f"set_{rank}"] == [True] * 5
+        assert r[f"get_{rank}"] == [True] * 5
+        assert r[f"equal_{rank}"] is True  # same page names, each rank its own bytes
+    assert r["saved"] == [5, 5]
+    # another instance's rank 0 finds rank 0's pages in the host pool
+    assert r["exists_other"] == 5
+    assert r["get_other"] == [True] * 5
+    assert r["other_equal_rank0"] is True

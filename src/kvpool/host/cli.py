@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from kvpool.config import Config, load_config
-from kvpool.errors import ConfigError
+from kvpool.config import Config
 from kvpool.logs import STATUS_LOGGER, configure_logging, say
+from kvpool.server.cli import load_or_exit, start_or_exit
 
 if TYPE_CHECKING:
     from kvpool.host.server import HostServer
@@ -49,20 +48,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         overrides["host"] = {"socket": args.socket}
     if args.cache_dir:
         overrides["cache_dir"] = args.cache_dir
-    try:
-        cfg = load_config(args.config, overrides=overrides)
-    except ConfigError as exc:
-        print(f"kvpool host: {exc}", file=sys.stderr)
+    cfg = load_or_exit(args, overrides, "kvpool host")
+    if cfg is None:
         return 2
     from kvpool.host.server import HostServer, HostStartError
-    try:
-        server = HostServer(cfg)
-    except HostStartError as exc:
-        say(cfg.log, logging.ERROR, f"kvpool host: {exc}", "start_failed")
-        return 2
-    except OSError as exc:
-        say(cfg.log, logging.ERROR, f"kvpool host: cannot start: {exc}", "start_failed")
-        return 1
+    server, failed = start_or_exit(cfg, "kvpool host", lambda: HostServer(cfg), HostStartError)
+    if server is None:
+        return failed or 1
     configure_logging(cfg.log)
     try:
         pages = _serve_pages(cfg, server)

@@ -32,10 +32,17 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvpool import saves as pipeline
 from kvpool.buffers import byte_view
-from kvpool.checks import check_key, check_keys, check_namespace_type, check_same_length, check_size
+from kvpool.checks import (
+    NO_KEYS,
+    check_key,
+    check_namespace_type,
+    check_registered,
+    check_same_length,
+    check_size,
+)
 from kvpool.config import Config, load_config
 from kvpool.counters import Counters
-from kvpool.errors import ArgumentError, PoolClosedError, UnknownNamespaceError
+from kvpool.errors import ArgumentError, PoolClosedError
 from kvpool.host import wire
 from kvpool.host.link import AttachError, Detached, Link
 from kvpool.keys import Namespace
@@ -44,7 +51,6 @@ from kvpool.saves import (
     Fill,
     LoadHandle,
     Pinned,
-    Reservation,
     SaveBatch,
     SavePipeline,
     SaveTicket,
@@ -130,12 +136,12 @@ class AttachedPool:
         self.metrics = CollectorRegistry(auto_describe=False)
         self.metrics_url: str | None = None
         pool = self.config.pool
-        #: This engine's saves: its budget, its committer, its read-your-writes; the host
-        #: pool is told of each commit queued (``_handed``) so every engine waits for it.
+        #: This engine's saves: its budget, its committer, its read-your-writes (the host
+        #: pool marks a save's chunks from their reservation on, for every engine).
         self._saves = SavePipeline(
             lambda r: self.commit_many(cast("list[AttachedReservation]", r)),
             self._run_deferred, pool.save_budget_bytes, pool.save_commit_wait_s,
-            pool.background_nice, handed=self._handed)
+            pool.background_nice)
         self._link(raise_refused=True)
 
     # ------------------------------------------------------------------ the link
@@ -211,15 +217,9 @@ class AttachedPool:
         if self._closed:
             raise PoolClosedError("KVPool is closed")
 
-    def _registered(self, ns: Namespace, keys: Sequence[bytes] | None = None) -> Namespace:
-        self._check_open()
-        check_namespace_type(ns)
-        if ns.id not in self._namespaces:
-            raise UnknownNamespaceError(f"namespace {ns.id.hex()} ({ns.model!r}) is not "
-                                        "registered; call register_namespace first")
-        if keys is not None:
-            check_keys(keys)
-        return ns
+    def _registered(self, ns: Namespace, keys: Sequence[bytes] | object = NO_KEYS) -> Namespace:
+        """``check_registered`` against this pool (as KVPool's)."""
+        return check_registered(self._closed, self._namespaces, ns, keys)
 
     def _ask(self, op: str, ns: Namespace, keys: Sequence[bytes],
              **extra: Any) -> tuple[Link, dict[str, Any], bytearray] | None:
@@ -265,7 +265,14 @@ class AttachedPool:
         """As KVPool's (True: already stored; False: dropped). The host pool may wait for a
         slot up to its dram.put_wait_s whatever ``wait`` says. Detached: all False."""
         self._registered(ns, keys)
-        asked = self._ask(wire.RESERVE, ns, keys, wait=wait)
+        return self._reserve(ns, keys, wait)
+
+    def _reserve(self, ns: Namespace, keys: Sequence[bytes], wait: bool,
+                 save: bool = False) -> list[AttachedReservation | bool | None]:
+        """``reserve_many`` after its checks; ``save``: the host pool counts the chunks as
+        being saved (every engine's lookups count them, reads wait for their commit) until
+        they are committed or aborted."""
+        asked = self._ask(wire.RESERVE, ns, keys, wait=wait, save=save)
         if asked is None:
             self._miss(len(keys), "detached_drops")
             return [False] * len(keys)
@@ -337,8 +344,11 @@ class AttachedPool:
                    retention: Retention | None = None) -> SaveBatch:
         """As KVPool.begin_save: slots of the host's arena, reserved without waiting,
         filled in place through the mapping, committed by this engine's committer (one
-        request per batch). Detached: every chunk is a counted drop (``save_dropped_no_slot``
-        and ``detached_drops``)."""
+        request per batch). One difference: the host pool counts the chunks as being saved
+        from their reservation on (not from ``commit()``), so every engine's lookups see
+        them once this returns and their reads wait for the commit (at most
+        ``pool.save_commit_wait_s``); an abort, or this engine's death, ends that. Detached:
+        every chunk is a counted drop (``save_dropped_no_slot`` and ``detached_drops``)."""
         self._registered(ns, keys)
         self.retain(ns, keys, retention)
         return pipeline.begin_save(self, self._saves, ns, list(keys))
@@ -357,15 +367,6 @@ class AttachedPool:
     def _run_deferred(self, job: _Deferred) -> int:
         return pipeline.run_deferred(self, self._saves, job, self._closed)
 
-    def _handed(self, reservations: Sequence[Reservation]) -> None:
-        """Tell the host pool which reservations wait for this engine's commit (no answer
-        awaited; a lost link is quiet: its reservations are void anyway)."""
-        by_link: dict[int, list[AttachedReservation]] = {}
-        for r in cast("Sequence[AttachedReservation]", reservations):
-            by_link.setdefault(id(r._link), []).append(r)
-        for group in by_link.values():
-            group[0]._link.send({"op": wire.SAVING, "ids": [r._id for r in group]})
-
     def reserve_for_save(self, ns: Namespace, keys: Sequence[bytes],
                          saving: bool) -> list[AttachedReservation | bool | None]:
         """The save pipeline's reservation (``saves.SaveSide``): chunks this engine is
@@ -374,7 +375,7 @@ class AttachedPool:
         todo = [i for i, flag in enumerate(local) if not flag]
         out: list[AttachedReservation | bool | None] = [True] * len(keys)
         if todo:
-            got = self.reserve_many(ns, [keys[i] for i in todo], wait=False)
+            got = self._reserve(ns, [keys[i] for i in todo], False, save=True)
             for i, r in zip(todo, got, strict=True):
                 out[i] = r
         return out

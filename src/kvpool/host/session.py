@@ -37,8 +37,8 @@ class Session:
         self._namespaces: dict[str, Namespace] = {}
         self._pins: dict[int, PinnedView] = {}
         self._reservations: dict[int, ChunkReservation] = {}
-        #: Reservations the engine handed to its committer: every engine's lookups count
-        #: them and reads wait for their commit (the tenant pool's read-your-writes).
+        #: Reservations of the engine's saves: every engine's lookups count them and reads
+        #: wait for their commit (the tenant pool's read-your-writes) until they end.
         self._saving: set[int] = set()
         self._next = 0
 
@@ -108,9 +108,17 @@ class Session:
         """Pin what DRAM holds (``fetch``: reading lower tiers' chunks into free slots
         first); with ``read``, the chunks left unpinned are read into scratch and sent in
         the tail (a miss there is counted as the pool's get counts it), as many as fit in
-        ``host.max_frame_bytes``: the rest stay misses."""
+        ``host.max_frame_bytes``: the rest stay misses. Chunks this connection itself is
+        saving (reserved, not committed) are misses here, never waited for: the engine
+        is the one that would commit them."""
         ns, keys = self._ns(meta), self._keys(meta, tail)
-        views = self.pool.pin_many(ns, keys, fetch=bool(meta.get("fetch")))
+        own = self._own_saving(ns, keys)
+        ask = [i for i, mine in enumerate(own) if not mine]
+        views: list[PinnedView | None] = [None] * len(keys)
+        got = self.pool.pin_many(ns, [keys[i] for i in ask],
+                                 fetch=bool(meta.get("fetch")))
+        for i, view in zip(ask, got, strict=True):
+            views[i] = view
         out: list[Any] = []
         for view in views:
             if view is None:
@@ -125,7 +133,7 @@ class Session:
         payload = bytearray()
         if meta.get("read"):
             fit = self._max_payload // ns.chunk_bytes
-            missing = [i for i, v in enumerate(out) if v is None][:fit]
+            missing = [i for i, v in enumerate(out) if v is None and not own[i]][:fit]
             if missing:
                 scratch = [bytearray(ns.chunk_bytes) for _ in missing]
                 found = self.pool.get_many_into(ns, [keys[i] for i in missing], scratch)
@@ -154,6 +162,10 @@ class Session:
             else:
                 out.append(1 if r else 0)
         out.extend([0] * (len(keys) - len(got)))  # past max_held: dropped
+        if meta.get("save") is True:
+            saving = [o[0] for o in out if isinstance(o, list)]
+            self._saving.update(saving)
+            self._mark(saving, True)
         return {"ok": True, "res": out}, b""
 
     def _op_put(self, meta: dict[str, Any], tail: bytearray) -> None:
@@ -162,11 +174,13 @@ class Session:
         if r is not None and r.slot is None and len(tail) == r.view.nbytes:
             r.view[:] = tail
 
-    def _op_saving(self, meta: dict[str, Any], tail: bytearray) -> None:
-        ids = [rid for rid in self._ids(meta)
-               if rid in self._reservations and rid not in self._saving]
-        self._saving.update(ids)
-        self._mark(ids, True)
+    def _own_saving(self, ns: Namespace, keys: list[bytes]) -> list[bool]:
+        """Per key: does this connection hold a save's reservation of it?"""
+        if not self._saving:
+            return [False] * len(keys)
+        mine = {r.key for rid in self._saving
+                if (r := self._reservations[rid]).ns.id == ns.id}
+        return [k in mine for k in keys]
 
     def _mark(self, ids: list[int], on: bool) -> None:
         by_ns: dict[bytes, tuple[Namespace, list[bytes]]] = {}

@@ -33,7 +33,6 @@ PIN = "pin"
 UNPIN = "unpin"        # no answer: sent ahead of the next request
 RESERVE = "reserve"
 COMMIT = "commit"
-SAVING = "saving"      # no answer: reservations handed to the engine's committer
 RETAIN = "retain"
 RELEASE = "release"
 ABORT = "abort"        # no answer
@@ -44,7 +43,7 @@ INVALIDATE = "invalidate"
 TOUCH = "touch"
 FLUSH = "flush"
 STATS = "stats"
-NO_ANSWER = frozenset({UNPIN, ABORT, SAVING})
+NO_ANSWER = frozenset({UNPIN, ABORT})
 
 
 class WireError(ConnectionError):

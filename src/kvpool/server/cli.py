@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kvpool.config import Config, load_config
 from kvpool.errors import ConfigError
@@ -22,13 +23,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", help="override cache_dir (where the SSD tier lives)")
 
 
-def _load(args: argparse.Namespace, overrides: dict[str, Any],
-          prog: str = "kvpool") -> Config | None:
+def load_or_exit(args: argparse.Namespace, overrides: dict[str, Any],
+                 prog: str = "kvpool") -> Config | None:
+    """The config of ``--config`` with ``overrides``; None (the error printed as one line on
+    stderr: exit 2) for a bad one."""
     try:
         return load_config(args.config, overrides=overrides)
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
+
+
+T = TypeVar("T")
+
+
+def start_or_exit(cfg: Config, prog: str, start: Callable[[], T],
+                  setting_error: type[Exception]) -> tuple[T, None] | tuple[None, int]:
+    """``(start(), None)``, or ``(None, exit code)`` with the failure logged as one line
+    (``start_failed``): 2 for ``setting_error`` (a setting that must change), 1 for an
+    OSError (the OS refused: a port or socket taken). ``kvpool serve`` and ``kvpool host``
+    start this way."""
+    try:
+        return start(), None
+    except setting_error as exc:
+        say(cfg.log, logging.ERROR, f"{prog}: {exc}", "start_failed")
+        return None, 2
+    except OSError as exc:
+        say(cfg.log, logging.ERROR, f"{prog}: cannot start: {exc}", "start_failed")
+        return None, 1
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -42,7 +64,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"server": server} if server else {}
     if args.cache_dir:
         overrides["cache_dir"] = args.cache_dir
-    cfg = _load(args, overrides, "kvpool serve")
+    cfg = load_or_exit(args, overrides, "kvpool serve")
     if cfg is None:
         return 2
     from kvpool.server.node import NodeStartError, run
@@ -50,11 +72,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
     def reload_config() -> Config:  # SIGHUP: the same file, environment and flags again
         return load_config(args.config, overrides=overrides)
 
-    try:
-        return run(cfg, reload_config)
-    except NodeStartError as exc:
-        say(cfg.log, logging.ERROR, f"kvpool serve: {exc}", "start_failed")
-        return 2
-    except OSError as exc:
-        say(cfg.log, logging.ERROR, f"kvpool serve: cannot start: {exc}", "start_failed")
-        return 1
+    code, failed = start_or_exit(cfg, "kvpool serve", lambda: run(cfg, reload_config),
+                                 NodeStartError)
+    return failed if failed is not None else (code or 0)

@@ -44,10 +44,12 @@ def storage_config(extra: dict[str, Any] | None, model: str = "test-model", tp_r
 
 
 def create_backend(name: str, host: MHATokenToKVPoolHost, extra: dict[str, Any] | None,
-                   model: str = "test-model") -> HiCacheStorage:
+                   model: str = "test-model", tp_rank: int = 0,
+                   tp_size: int = 1) -> HiCacheStorage:
     """A backend as the controller attaches it: factory, then ``register_mem_pool_host``.
     ``name`` "dynamic" with ``extra`` holding ``DYNAMIC`` creates kvpool's."""
-    config = storage_config(extra, model, page_first=host.layout != "layer_first")
+    config = storage_config(extra, model, tp_rank, tp_size,
+                            page_first=host.layout != "layer_first")
     backend: HiCacheStorage = StorageBackendFactory.create_backend(name, config, host)
     backend.register_mem_pool_host(host)
     return backend
