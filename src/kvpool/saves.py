@@ -144,19 +144,22 @@ class SaveBatch:
     def reserved(self) -> int:
         return sum(v is not None for v in self.views)
 
-    def commit(self) -> SaveTicket:
+    def commit(self, before: Callable[[], None] | None = None) -> SaveTicket:
         """Hand the filled slots to the committer: from now on they count for lookups and
-        reads wait for their commit. Never waits for a tier. A second call, or one after
-        ``abort``, returns a ticket of nothing."""
+        reads wait for their commit. Never waits for a tier. ``before`` runs on the committer
+        right before the chunks are published (what must precede them there but may block,
+        such as recording their retention on the storage nodes), also when nothing is left to
+        publish; an exception from it is logged and the commit goes on. A second call, or
+        one after ``abort``, returns a ticket of nothing (``before`` not run)."""
         reservations, self._reservations = self._reservations, None
         ticket = SaveTicket(self.keys, self.present)
         ticket.taken = [h or (reservations is not None and reservations[i] is not None)
                         for i, h in enumerate(self.held)]
         taken = [r for r in reservations or [] if r is not None]
-        if not taken:
+        if reservations is None or (not taken and before is None):
             ticket.finish(0)
             return ticket
-        self._pipeline.hand_over(self.ns, taken, ticket)
+        self._pipeline.hand_over(self.ns, taken, ticket, before)
         return ticket
 
     def abort(self, cause: str = "save_dropped_aborted") -> None:
@@ -205,11 +208,12 @@ class LoadHandle:
 
 
 class _Commit:
-    __slots__ = ("ns", "reservations", "ticket")
+    __slots__ = ("before", "ns", "reservations", "ticket")
 
     def __init__(self, ns: Namespace, reservations: list[Reservation],
-                 ticket: SaveTicket) -> None:
+                 ticket: SaveTicket, before: Callable[[], None] | None = None) -> None:
         self.ns, self.reservations, self.ticket = ns, reservations, ticket
+        self.before = before
 
 
 class _Deferred:
@@ -320,8 +324,9 @@ class SavePipeline:
                     self._thread.start()
 
     def hand_over(self, ns: Namespace, reservations: list[Reservation],
-                  ticket: SaveTicket) -> None:
-        """Mark the chunks as being saved, queue their commit (after ``close``: drop them)."""
+                  ticket: SaveTicket, before: Callable[[], None] | None = None) -> None:
+        """Mark the chunks as being saved, queue their commit, ``before`` first (after
+        ``close``: drop them, ``before`` not run)."""
         if self._closed:
             for r in reservations:
                 r.abort()
@@ -331,7 +336,7 @@ class SavePipeline:
             return
         self._mark(ns.id, [r.key for r in reservations])
         self._start()
-        self._queue.put(_Commit(ns, reservations, ticket))
+        self._queue.put(_Commit(ns, reservations, ticket, before))
 
     def defer(self, job: _Deferred) -> None:
         if self._closed:
@@ -364,7 +369,13 @@ class SavePipeline:
                 job.ticket.finish(stored)
 
     def _run_commit(self, job: _Commit) -> None:
-        stored = self.commit_now(job.ns, job.reservations)
+        if job.before is not None:
+            try:
+                job.before()
+            except Exception:
+                log.exception("kvpool: the step before committing %d saved chunks failed; "
+                              "committing them anyway", len(job.reservations))
+        stored = self.commit_now(job.ns, job.reservations) if job.reservations else 0
         self._unmark(job.ns.id, [r.key for r in job.reservations])
         job.ticket.finish(stored)
 

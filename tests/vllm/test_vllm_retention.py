@@ -5,12 +5,16 @@ unpinned), ephemeral saves kept off the SSD, and ``release_session``."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from kvtest import stop_process
+from node_process import NodeProcess
 from test_vllm_plan import TABLE
 from test_vllm_worker import BLOCK, IDENT, NBLOCKS, caches
 
@@ -21,6 +25,7 @@ from kvpool.integrations.vllm.scheduler import SchedulerSide
 from kvpool.integrations.vllm.settings import parse_settings
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.keys import KVLayout, Namespace
+from kvpool.net.connection import NodeConnection
 
 
 def test_scheduler_carries_each_requests_retention_over_the_engines() -> None:
@@ -90,3 +95,57 @@ def test_worker_saves_with_retention_and_releases_sessions(tmp_path: Path) -> No
         assert w.stats.counters.sessions_released == 1
     finally:
         w.close()
+
+
+def test_retain_and_release_to_the_nodes_run_on_the_save_thread_not_the_step(
+        tmp_path: Path) -> None:
+    """With storage nodes a request's retention is a RETAIN per node and a session's end a
+    RELEASE per node. The step hands both to the pool's save thread: a node that does not
+    answer (SIGSTOP) holds the commit, never the engine's step; once it answers the node
+    holds the pin, then lets it go."""
+    chunk = 2 * BLOCK
+    with NodeProcess(tmp_path / "node", ssd={"enabled": False}) as node:
+        assert node.proc is not None
+        pid = node.proc.pid
+        settings = parse_settings({"chunk_tokens": chunk, "config": {
+            "cache_dir": str(tmp_path / "engine"), "dram": {"capacity": "8MiB",
+                                                            "slab_size": "1MiB"},
+            "ssd": {"enabled": False},
+            # long enough that the stopped node is still waited for when the step returns
+            "cluster": {"nodes": [node.address], "request_timeout_s": 300}}}, BLOCK)
+        w = WorkerSide(settings, IDENT, 0, 1, num_blocks=NBLOCKS)
+        kv = caches(0)
+        conn = NodeConnection(node.address)
+        try:
+            ns = w.register(kv)
+            pinned = b"n" * 16
+            stop_process(pid)
+            try:
+                store = [ReqTransfer("r1", (ChunkCopy((pinned,), (1, 2)),),
+                                     {"priority": "pin", "session": "conv-9"})]
+                for name in sorted(kv):
+                    w.save_layer(name, kv[name], store)
+                w.end_step()  # returns: the RETAIN waits on the save thread
+                assert w.pool.saving_many(ns, [pinned]) == [True]
+                assert w.pool.lookup(ns, [pinned]) == 1  # read-your-writes meanwhile
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert w.flush(60)
+            assert w.pool.contains(ns, pinned)
+            assert (w.stats.counters.stored_chunks, w.stats.counters.pins_refused) == (1, 0)
+            assert w.pool.stats()["retention"]["pinned_bytes"] == ns.chunk_bytes
+            assert conn.stats()["retention"]["pinned_bytes"] == ns.chunk_bytes
+            stop_process(pid)
+            try:
+                w.release([("conv-9", False)])  # returns: the RELEASE waits on the save thread
+                assert w.stats.counters.sessions_released == 0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert w.flush(60)
+            assert w.stats.counters.sessions_released == 1
+            assert w.pool.stats()["retention"]["pinned_bytes"] == 0
+            assert conn.stats()["retention"]["pinned_bytes"] == 0
+            assert w.pool.contains(ns, pinned)  # released, not deleted
+        finally:
+            conn.close()
+            w.close()

@@ -14,7 +14,10 @@ each in its own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pin
 * ``engine_cache``: no connector, vLLM's own prefix cache on: the timed requests hit the
   engine's own KV, so no connector can do better. It is the floor under both connectors'
   hits: what is left once loading costs nothing (the question's prefill, sampling, the
-  engine's per-request work).
+  engine's per-request work);
+* host cases (``_host_cases``): two engine instances attached to one ``kvpool host``, the
+  second loading what the first stored (``cross_instance_*``), and the same at
+  ``tensor_parallel_size=2`` with both ranks attached (``tp2_*``, not with ``--quick``).
 
 vLLM's own prefix cache is off in every other mode, so only the connector reuses KV; a whole
 prompt is one scheduler step (``max_num_batched_tokens`` 8192), which ExampleConnector needs
@@ -45,8 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from kvpool.bench.stats import BenchFailure, run_in_work_dir
+from kvpool.host.launch import HostProcess
 
 ROOT = Path(__file__).resolve().parents[3]
 FULL_LENGTHS = (1024, 2048, 4096, 6144)
@@ -88,7 +93,8 @@ def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+def _run(python: str, spec: dict[str, Any], work: Path, name: str,
+         env_over: dict[str, str] | None = None) -> dict[str, Any]:
     run_dir = work / name
     (run_dir / "rpc").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -96,6 +102,7 @@ def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, 
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", same_cores_for_every_mode())
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_RPC_BASE_PATH": str(run_dir / "rpc"),
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"})
+    env.update(env_over or {})
     (run_dir / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([python, "-m", "kvpool.integrations.vllm.run_engine",
                            str(run_dir / "spec.json"), str(run_dir / "out.json")],
@@ -104,6 +111,79 @@ def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, 
         raise BenchFailure(f"vLLM run {name} failed:\n{proc.stderr[-4000:]}")
     result: dict[str, Any] = json.loads((run_dir / "out.json").read_text())
     return result
+
+
+def _ttft_rows(outs: list[dict[str, Any]], lengths: tuple[int, ...],
+               per_doc: int) -> dict[str, Any]:
+    """Per document length: median and p99 of the timed requests (every one but the first
+    on each document, which stores or warms up), their samples and the first one's TTFT."""
+    rows = {}
+    for i, n in enumerate(lengths):
+        group = outs[i * per_doc:(i + 1) * per_doc]
+        ttft = [o["wall_s"] for o in group[1:]]  # the first request stores (or warms up)
+        rows[str(n)] = {"median_s": float(np.median(ttft)), "p99_s": _percentile(ttft, 99),
+                        "samples_s": ttft, "first_request_s": group[0]["wall_s"]}
+    return rows
+
+
+def _host_pool(work: Path) -> HostProcess:
+    """A ``kvpool host`` for the engines of the host cases: 2 GiB of DRAM, no SSD (a hit can
+    only come from its arena). Raises RuntimeError when it does not start."""
+    base = work / "host"
+    base.mkdir(parents=True, exist_ok=True)
+    cfg = {"cache_dir": str(base / "cache"), "dram": {"capacity": "2GiB"},
+           "ssd": {"enabled": False}, "metrics": {"enabled": False},
+           "host": {"socket": str(base / "host.sock"), "shm_dir": str(base)}}
+    (base / "host.yaml").write_text(yaml.safe_dump(cfg))
+    return HostProcess(base / "host.yaml", base / "host.log").start()
+
+
+def _host_cases(python: str, base: dict[str, Any], lengths: tuple[int, ...], per_doc: int,
+                work: Path, quick: bool) -> dict[str, Any]:
+    """Engines attached to one host pool, one after the other (the first has exited when the
+    second starts: what the second loads lives only in the host pool):
+
+    * ``cross_instance``: engine A runs each document's first request (it stores), then a
+      second engine instance B runs every request; all of B's are hits on A's chunks;
+    * ``tp2`` (not with ``--quick``): the same at ``tensor_parallel_size=2`` (one rank per
+      core, both ranks attached), beside a TP=2 engine without a connector (recompute).
+
+    Returns per case the modes' rows (as ``run_vllm_bench``'s) and B's token ids."""
+    firsts = [base["prompts"][i * per_doc] for i in range(len(lengths))]
+    cases: dict[str, Any] = {}
+    plans: list[tuple[str, dict[str, Any], dict[str, str]]] = [("cross_instance", {}, {})]
+    if not quick:
+        plans.append(("tp2", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                      {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}))
+    for case, engine, env in plans:
+        host = _host_pool(work / case)
+        try:
+            sock = str(work / case / "host" / "host.sock")
+            extra = {"chunk_tokens": CHUNK_TOKENS, "config": {
+                "cache_dir": str(work / case / "engine-cache"), "host": {"socket": sock}}}
+            conn = {"name": "kvpool", "extra": extra}
+            runs = {}
+            order: list[tuple[str, dict[str, Any] | None, list[list[int]]]] = \
+                [("recompute", None, base["prompts"])] if engine else []
+            order += [("a", conn, firsts), ("b", conn, base["prompts"])]
+            for mode, connector, prompts in order:
+                print(f"[bench vllm] {case} {mode}: {len(prompts)} requests", file=sys.stderr,
+                      flush=True)
+                spec = dict(base, **engine, prompts=prompts, connector=connector,
+                            enable_prefix_caching=False)
+                runs[mode] = _run(python, spec, work / case, mode, env)
+        finally:
+            host.stop()
+        b = runs["b"]
+        cases[case] = {"b": {"ttft": _ttft_rows(b["outputs"], lengths, per_doc),
+                             "connector_counters": (b.get("connector_stats") or {}).get(
+                                 "counters")},
+                       "b_token_ids": [o["token_ids"] for o in b["outputs"]]}
+        if "recompute" in runs:
+            r = runs["recompute"]
+            cases[case]["recompute"] = {"ttft": _ttft_rows(r["outputs"], lengths, per_doc)}
+            cases[case]["recompute_token_ids"] = [o["token_ids"] for o in r["outputs"]]
+    return cases
 
 
 def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, Any]:
@@ -135,32 +215,53 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
     }
     modes: dict[str, Any] = {}
     engines: list[str] = []
+    recompute_ids: list[list[int]] = []
     for mode in MODES:
         spec = dict(base, connector=connectors[mode],
                     enable_prefix_caching=mode == "engine_cache")
         print(f"[bench vllm] {mode}: {len(lengths)} documents x {per_doc} requests",
               file=sys.stderr, flush=True)
         result = _run(python, spec, work, mode)
-        outs = result["outputs"]
-        rows = {}
-        for i, n in enumerate(lengths):
-            group = outs[i * per_doc:(i + 1) * per_doc]
-            ttft = [o["wall_s"] for o in group[1:]]  # the first request stores (or warms up)
-            rows[str(n)] = {"median_s": float(np.median(ttft)), "p99_s": _percentile(ttft, 99),
-                            "samples_s": ttft, "first_request_s": group[0]["wall_s"]}
-        modes[mode] = {"ttft": rows, "engine": result["engine"]}
+        modes[mode] = {"ttft": _ttft_rows(result["outputs"], lengths, per_doc),
+                       "engine": result["engine"]}
         engines.append(engine_label(result["engine"]))
         if result.get("connector_stats"):
             modes[mode]["connector_counters"] = result["connector_stats"]["counters"]
+        if mode == "recompute":
+            recompute_ids = [o["token_ids"] for o in result["outputs"]]
+    host = _host_cases(python, base, lengths, per_doc, work, quick)
     # smollm2_hf_dir refuses a model other than SmolLM2-135M-Instruct (ModelMismatchError)
     return {"model": "SmolLM2-135M-Instruct", "engine": " / ".join(dict.fromkeys(engines)),
-            "lengths": list(lengths), "repeats": reps, "modes": modes,
-            "ratios": ratios(modes, lengths), "targets": dict(TARGETS)}
+            "lengths": list(lengths), "repeats": reps, "modes": modes, "host_cases": {
+                c: {k: v for k, v in d.items() if not k.endswith("token_ids")}
+                for c, d in host.items()},
+            "ratios": {**ratios(modes, lengths), **host_ratios(host, recompute_ids, modes,
+                                                                lengths)},
+            "targets": dict(TARGETS)}
+
+
+def host_ratios(cases: dict[str, Any], recompute_ids: list[list[int]],
+                modes: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, float]:
+    """``<case>_ttft_hit_vs_recompute``: engine B's median at the longest document / the
+    recompute median of the same engine shape (TP=1: the ``recompute`` mode; TP=2: the
+    case's own); ``<case>_outputs_identical``: 1.0 when every token B generated equals the
+    recompute run's (the same prompts, greedy), else 0.0."""
+    longest = str(lengths[-1])
+    out: dict[str, float] = {}
+    for case, d in cases.items():
+        ref = d.get("recompute") or modes["recompute"]
+        ids = d.get("recompute_token_ids", recompute_ids)
+        out[f"{case}_ttft_hit_vs_recompute"] = (d["b"]["ttft"][longest]["median_s"]
+                                                / ref["ttft"][longest]["median_s"])
+        out[f"{case}_outputs_identical"] = float(d["b_token_ids"] == ids)
+    return out
 
 
 TARGETS = {"ttft_hit_vs_recompute": "<= 0.1", "ttft_hit_vs_example_connector": "<= 0.5",
            "ttft_hit_p99_vs_median": "<= 1.5", "first_request_vs_no_connector": "<= 1.2",
-           "miss_penalty": "<= 1.05"}
+           "miss_penalty": "<= 1.05", "cross_instance_ttft_hit_vs_recompute": "<= 0.1",
+           "cross_instance_outputs_identical": "== 1", "tp2_ttft_hit_vs_recompute": "<= 0.1",
+           "tp2_outputs_identical": "== 1"}
 #: Ratios without a target, printed to explain the others.
 CONTEXT = {"ttft_hit_vs_engine_cache": "kvpool hit / the engine's own prefix-cache hit, "
                                        "longest document",

@@ -5,10 +5,14 @@ SPEC keys: ``model`` (local HF dir), ``prompts`` (lists of token ids), ``max_tok
 ``logprobs`` (int or null), ``repeats`` (each prompt is run this many times in a row, default
 1), ``connector`` (null, or {"name": "kvpool"|"example", "extra": {...}}), and engine options
 ``block_size``, ``max_model_len``, ``max_num_batched_tokens``, ``enable_prefix_caching``
-(default false: only the connector reuses KV), ``dtype``, ``seed``.
+(default false: only the connector reuses KV), ``dtype``, ``seed``, ``tensor_parallel_size``
+and ``distributed_executor_backend`` (on CPU, TP=2 needs ``"mp"`` and
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``: one rank per core), ``env`` (variables set before
+vLLM is imported).
 OUT: ``{"outputs": [{"token_ids", "logprobs", "wall_s"}...], "connector_stats": {...},
-"engine": {...}}``; ``connector_stats`` is what the kvpool worker wrote at shutdown (rank 0),
-or null; ``engine`` is what ran, as vLLM resolved it (see ``engine_info``).
+"rank_stats": {...}, "engine": {...}}``; ``connector_stats`` is what the kvpool worker wrote
+at shutdown (rank 0), or null; ``rank_stats`` the same of the other tensor-parallel ranks, by
+rank ("1": {...}); ``engine`` is what ran, as vLLM resolved it (see ``engine_info``).
 
 Prompts run one at a time (one ``generate`` call each), so batch composition is the same in
 every run and greedy outputs can be compared bit for bit. Any engine error propagates (exit
@@ -59,6 +63,7 @@ def engine_info(llm: Any) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -70,7 +75,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "enable_prefix_caching": spec.get("enable_prefix_caching", False),
         "kv_transfer_config": _kv_transfer(spec, stats_path),
     }
-    for key in ("block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+    for key in ("block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                "tensor_parallel_size", "distributed_executor_backend"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
     llm = LLM(**kwargs)
@@ -96,8 +102,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     stats = None
     if os.path.exists(stats_path):
         stats = json.loads(Path(stats_path).read_text())
+    ranks = {p.suffix.removeprefix(".tp"): json.loads(p.read_text())
+             for p in Path(stats_dir).glob("stats.json.tp*")}
     shutil.rmtree(stats_dir, ignore_errors=True)
-    return {"outputs": outputs, "connector_stats": stats, "engine": engine}
+    return {"outputs": outputs, "connector_stats": stats, "rank_stats": ranks,
+            "engine": engine}
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,9 @@ straight into those slots (the one copy between the engine and the pool). ``end_
 commits each request's batch (``SaveBatch.commit``): the pool's save thread publishes it, so
 inference never waits for a slow tier, and the chunks count for lookups at once, a load of
 them waiting for their commit (the pool's read-your-writes, ``pool.save_commit_wait_s``).
+A request's retention is recorded on that save thread too, right before its chunks are
+published (with storage nodes: a RETAIN per node), and a session's end follows the saves
+handed over before it there (a RELEASE per node): the engine's step never waits on a node.
 
 Failure contract: never raises into the engine for pool faults; a failed commit is a counted
 drop (and a load waiting for it then misses, so vLLM recomputes).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -26,6 +30,7 @@ from kvpool.integrations.vllm.plan import ReqTransfer
 from kvpool.integrations.vllm.stats import StatsWriter
 from kvpool.keys import Namespace
 from kvpool.pool import KVPool
+from kvpool.retention import Retention
 from kvpool.saves import SaveBatch, SaveTicket
 
 log = logging.getLogger("kvpool.integrations.vllm")
@@ -33,12 +38,16 @@ log = logging.getLogger("kvpool.integrations.vllm")
 
 class _PendingSave:
     """One request's chunks being gathered into their slots: ``pages[i]`` holds chunk i's
-    engine block ids (None where ``batch.views[i]`` is None), ``layers`` how many are in."""
+    engine block ids (None where ``batch.views[i]`` is None), ``layers`` how many are in;
+    ``retention`` what the request asks its chunks to be kept for (recorded on the pool's
+    save thread, right before they are published)."""
 
-    __slots__ = ("batch", "layers", "pages", "req_id")
+    __slots__ = ("batch", "layers", "pages", "req_id", "retention")
 
-    def __init__(self, req_id: str, batch: SaveBatch, pages: list[torch.Tensor | None]) -> None:
+    def __init__(self, req_id: str, batch: SaveBatch, pages: list[torch.Tensor | None],
+                 retention: Retention | None) -> None:
         self.req_id, self.batch, self.pages = req_id, batch, pages
+        self.retention = retention
         self.layers = 0
 
 
@@ -51,8 +60,6 @@ class Saves:
         self._pages_of = pages_of
         self._pending: list[_PendingSave] = []  # being gathered this step
         self._tickets: list[SaveTicket] = []  # committed, not yet counted
-        #: sessions to end once the saves committed before were: (those tickets, sessions)
-        self._releases: list[tuple[list[SaveTicket], list[tuple[str, bool]]]] = []
 
     # ---------------------------------------------------------------- during the step
     def begin(self, stores: Sequence[ReqTransfer], failed_reqs: set[str]) -> None:
@@ -65,18 +72,16 @@ class Saves:
                 dropped += len(req.chunks)
                 continue
             keys = [c.keys[self.tp_rank] for c in req.chunks]
-            if req.retention:  # recorded before the chunks are published
-                retention = retention_now(req.retention)
-                if not retain_for_save(self.pool, self.ns, keys, retention):
-                    self.stats.add(pins_refused=1)
+            # TTL and pin deadlines count from now; recorded at the commit (``_retain``)
+            retention = retention_now(req.retention) if req.retention else None
             batch = self.pool.begin_save(self.ns, keys)
             # held: already stored (a prompt's last chunk) or on its way
             dropped += sum(v is None and not h for v, h in zip(batch.views, batch.held,
                                                                 strict=True))
-            if batch.reserved:
+            if batch.reserved or retention is not None:  # stored chunks get it too
                 pages = [torch.tensor(c.block_ids, dtype=torch.long) if v is not None else None
                          for c, v in zip(req.chunks, batch.views, strict=True)]
-                self._pending.append(_PendingSave(req.req_id, batch, pages))
+                self._pending.append(_PendingSave(req.req_id, batch, pages, retention))
         if dropped:
             self.stats.add(dropped_chunks=dropped)
 
@@ -101,7 +106,9 @@ class Saves:
         dropped = 0
         for p in self._pending:
             if p.layers == layers and p.req_id not in failed_reqs:
-                self._tickets.append(p.batch.commit())
+                before = None if p.retention is None \
+                    else partial(self._retain, p.batch.keys, p.retention)
+                self._tickets.append(p.batch.commit(before))
             else:
                 dropped += p.batch.reserved
                 p.batch.abort()
@@ -109,6 +116,13 @@ class Saves:
         if dropped:
             self.stats.add(dropped_chunks=dropped)
         self._count()
+
+    def _retain(self, keys: list[bytes], retention: Retention) -> None:
+        """On the pool's save thread, before the chunks are published: record their
+        retention (with storage nodes a RETAIN per node, which the engine's step never waits
+        for). A refused pin is counted; the chunks are saved unpinned."""
+        if not retain_for_save(self.pool, self.ns, keys, retention):
+            self.stats.add(pins_refused=1)
 
     def drop_pending(self) -> None:
         dropped = sum(p.batch.reserved for p in self._pending)
@@ -134,25 +148,24 @@ class Saves:
         self._tickets = left
         if stored or dropped:
             self.stats.add(stored_chunks=stored, dropped_chunks=dropped)
-        self._run_releases()
 
     def release(self, sessions: Sequence[tuple[str, bool]]) -> None:
-        """End ``sessions`` (KVPool.release) once the saves committed so far have landed:
-        at once when none is outstanding, else at a later step's count or ``flush``."""
-        self._releases.append((list(self._tickets), list(sessions)))
-        self._run_releases()
+        """End ``sessions`` (KVPool.release, with storage nodes a RELEASE per node) on the
+        pool's save thread, once the saves committed before have landed (its queue is in
+        order): the step never waits for it. A failed release is logged."""
+        if not sessions:
+            return
+        end = partial(self._end_sessions, list(sessions))
+        self._tickets.append(self.pool.begin_save(self.ns, []).commit(end))
 
-    def _run_releases(self) -> None:
-        due = [s for tickets, s in self._releases if all(t.done() for t in tickets)]
-        self._releases = [(t, s) for t, s in self._releases if not all(x.done() for x in t)]
-        for sessions in due:
-            for session, delete in sessions:
-                try:
-                    self.pool.release(session, delete)
-                except Exception:
-                    log.exception("kvpool: releasing session %r failed", session)
-                    continue
-                self.stats.add(sessions_released=1)
+    def _end_sessions(self, sessions: list[tuple[str, bool]]) -> None:
+        for session, delete in sessions:
+            try:
+                self.pool.release(session, delete)
+            except Exception:
+                log.exception("kvpool: releasing session %r failed", session)
+                continue
+            self.stats.add(sessions_released=1)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every chunk committed so far landed (the pool's save thread); False on
