@@ -19,22 +19,34 @@ from kvpool.integrations.models import smollm2
 def test_the_engine_label_is_what_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[dict[str, Any]] = []
 
-    def fake_run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    def fake_run(python: str, spec: dict[str, Any], work: Path, name: str,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
         ran.append(spec)
-        return {"outputs": [{"wall_s": 0.5 if name == "recompute" else 0.1}
-                            for _ in spec["prompts"]],
+        return {"outputs": [{"wall_s": 0.5 if name == "recompute" else 0.1,
+                             "token_ids": [len(p)]} for p in spec["prompts"]],
                 "connector_stats": None,
                 "engine": {"vllm_version": "9.8.7", "device": "cpu", "dtype": "float32",
                            "enforce_eager": True, "model": spec["model"]}}
 
+    class NoHost:  # the host cases' kvpool host: its engines are fakes too
+        def stop(self) -> int:
+            return 0
+
     monkeypatch.setattr(bench, "_run", fake_run)
+    monkeypatch.setattr(bench, "_host_pool", lambda work: NoHost())
     monkeypatch.setattr(bench, "vllm_python", lambda: "python")
     monkeypatch.setattr(smollm2, "smollm2_hf_dir", lambda: tmp_path / "model")
     report = bench.run_vllm_bench(quick=True, repeats=1, work=tmp_path)
-    assert len(ran) == len(bench.MODES)
+    # every mode, then the cross-instance case's engines A and B (no TP=2 with --quick)
+    assert len(ran) == len(bench.MODES) + 2
+    assert [s["connector"]["extra"]["config"]["host"] for s in ran[-2:]] == \
+        [{"socket": str(tmp_path / "cross_instance" / "host" / "host.sock")}] * 2
     assert report["engine"] == "vllm 9.8.7 on cpu (float32, eager)"
     assert report["modes"]["kvpool"]["engine"]["model"] == str(tmp_path / "model")
     assert report["ratios"]["ttft_hit_vs_recompute"] == pytest.approx(0.2)
+    assert report["ratios"]["cross_instance_ttft_hit_vs_recompute"] == pytest.approx(0.2)
+    assert report["ratios"]["cross_instance_outputs_identical"] == 1.0
+    assert "tp2_ttft_hit_vs_recompute" not in report["ratios"]
 
 
 def test_engine_label_names_compiled_runs() -> None:
@@ -69,14 +81,40 @@ def test_ratios_pool_the_hits_and_compare_the_first_requests() -> None:
     assert r["ttft_hit_vs_engine_cache"] == pytest.approx(2.0)
     # loading adds 0.1 s to the 0.1 s floor with kvpool, 0.4 s with ExampleConnector
     assert r["load_vs_example_connector"] == pytest.approx(0.25)
-    assert set(r) == set(bench.TARGETS) | set(bench.CONTEXT)
+    host = {name for name in bench.TARGETS if name.startswith(HOST_CASES)}
+    assert set(r) == (set(bench.TARGETS) - host) | set(bench.CONTEXT)
+
+
+#: The host cases' ratios (``host_ratios``), apart from ``ratios``'.
+HOST_CASES = ("cross_instance_", "tp2_")
+
+
+def _host_cases(same: bool) -> dict[str, Any]:
+    """Host cases as ``_host_cases`` returns them: engine B at 0.05 s; TP=2 with a recompute
+    run of its own (1.0 s) whose tokens B matches or not."""
+    return {"cross_instance": {"b": _mode({1024: (0.5, [0.05, 0.05])}), "b_token_ids": [[7]]},
+            "tp2": {"b": _mode({1024: (0.5, [0.05, 0.05])}), "b_token_ids": [[7]],
+                    "recompute": _mode({1024: (1.0, [1.0, 1.0])}),
+                    "recompute_token_ids": [[7] if same else [8]]}}
+
+
+def test_host_ratios_compare_engine_b_with_the_recompute_of_its_own_shape() -> None:
+    modes = {"recompute": _mode({1024: (0.5, [0.5, 0.5])})}
+    r = bench.host_ratios(_host_cases(same=False), [[7]], modes, (1024,))
+    assert r["cross_instance_ttft_hit_vs_recompute"] == pytest.approx(0.1)  # vs the TP=1 run
+    assert r["tp2_ttft_hit_vs_recompute"] == pytest.approx(0.05)  # vs its own TP=2 run
+    assert r["cross_instance_outputs_identical"] == 1.0
+    assert r["tp2_outputs_identical"] == 0.0  # a token differs
+    assert set(r) == {name for name in bench.TARGETS if name.startswith(HOST_CASES)}
 
 
 def test_report_prints_every_ratio_with_its_target(capsys: pytest.CaptureFixture[str]) -> None:
     modes = {m: _mode({1024: (0.5, [0.1, 0.2])}) for m in bench.MODES}
     modes["engine_cache"] = _mode({1024: (0.5, [0.05, 0.05])})
+    ratios = {**bench.ratios(modes, (1024,)),
+              **bench.host_ratios(_host_cases(same=True), [[7]], modes, (1024,))}
     report = {"model": "m", "engine": "e", "lengths": [1024], "repeats": 2, "modes": modes,
-              "ratios": bench.ratios(modes, (1024,)), "targets": dict(bench.TARGETS)}
+              "ratios": ratios, "targets": dict(bench.TARGETS)}
     bench._print(report)
     out = capsys.readouterr().out
     for name, target in bench.TARGETS.items():
