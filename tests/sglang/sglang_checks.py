@@ -1,5 +1,7 @@
 """Scenarios run by the SGLang venv's python (``tests/sglang/conftest.py`` ``run_check``):
-``python sglang_checks.py NAME ARGS_JSON`` prints one JSON object, the scenario's findings.
+``python sglang_checks.py NAME ARGS_JSON`` prints one JSON object, the scenario's findings;
+``python sglang_checks.py batch '[[NAME, ARGS], ...]'`` runs several in one process (importing
+SGLang costs ~10 s a process) and prints one ``RESULT`` line each, in order.
 Every scenario builds SGLang's real CPU device pool and host pool and creates the backend
 through SGLang's own factory (``kvpool.integrations.sglang.harness``)."""
 
@@ -281,5 +283,8 @@ SCENARIOS = {"roundtrip": roundtrip, "two_instances": two_instances, "controller
              "threads": threads, "attached_ranks": attached_ranks}
 
 if __name__ == "__main__":
-    result = SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
-    print("RESULT " + json.dumps(result))
+    if sys.argv[1] == "batch":
+        for name, scenario_args in json.loads(sys.argv[2]):
+            print("RESULT " + json.dumps(SCENARIOS[name](scenario_args)), flush=True)
+    else:
+        print("RESULT " + json.dumps(SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))))

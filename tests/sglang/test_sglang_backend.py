@@ -18,12 +18,26 @@ from kvpool.host.server import HostServer
 RunCheck = Callable[..., dict[str, Any]]
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+CONTROLLER_LAYOUTS = ("layer_first", "page_first")
+
+
+@pytest.fixture(scope="module")
+def batch(run_checks: Callable[..., list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The fault-free scenarios of this module, run in one SGLang process (one import of
+    SGLang, not six: ~10 s each), each on a pool of its own; results by scenario id."""
+    scenarios: dict[str, tuple[str, dict[str, Any]]] = {
+        **{f"roundtrip-{lay}": ("roundtrip", {"layout": lay}) for lay in LAYOUTS},
+        **{f"controller-{lay}": ("controller", {"layout": lay, "rounds": 2, "pages": 20})
+           for lay in CONTROLLER_LAYOUTS},
+        "threads": ("threads", {"rounds": 30})}
+    results = run_checks(list(scenarios.values()))
+    return dict(zip(scenarios, results, strict=True))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pages_round_trip_byte_for_byte_through_the_dynamic_factory(
-        run_check: RunCheck, layout: str) -> None:
-    r = run_check("roundtrip", layout=layout)
+        batch: dict[str, dict[str, Any]], layout: str) -> None:
+    r = batch[f"roundtrip-{layout}"]
     assert r["class"] == "KVPoolHiCacheStorage"  # created by SGLang's "dynamic" factory
     assert r["set_v1"] == [True] * 6
     assert r["get_v1"] == [True] * 6
@@ -58,10 +72,10 @@ def test_pages_round_trip_byte_for_byte_through_the_dynamic_factory(
     assert r["exists_after_close"] == 0
 
 
-@pytest.mark.parametrize("layout", ("layer_first", "page_first"))
+@pytest.mark.parametrize("layout", CONTROLLER_LAYOUTS)
 def test_controller_write_back_then_prefetch_gives_identical_bytes(
-        run_check: RunCheck, layout: str) -> None:
-    r = run_check("controller", layout=layout, rounds=2, pages=20)
+        batch: dict[str, dict[str, Any]], layout: str) -> None:
+    r = batch[f"controller-{layout}"]
     assert r["backend"] == "KVPoolHiCacheStorage"
     assert r["escaped"] == []
     assert r["hits"] == [20, 20]  # every page written back was prefetched
@@ -85,8 +99,9 @@ def test_fault_injection_failed_pages_miss_and_survivors_are_correct(
     assert 0 < sum(r["hits"]) < 20 * 4
 
 
-def test_three_threads_at_once_read_exactly_what_was_written(run_check: RunCheck) -> None:
-    r = run_check("threads", rounds=30)
+def test_three_threads_at_once_read_exactly_what_was_written(
+        batch: dict[str, dict[str, Any]]) -> None:
+    r = batch["threads"]
     assert r["bad"] == []
     assert r["errors"] == 0
     assert r["get_hit_pages"] == 3 * 30 * 8  # each thread reads back its 8 pages every round

@@ -1,14 +1,19 @@
 """KVPoolConnector over a shared ``kvpool serve`` node (real vLLM engines, real node process):
 (c) a second engine, with an empty local pool, hits what the first stored on the node;
 (d) the node is killed with SIGKILL while an engine runs: it keeps serving, outputs identical.
+
+One node for the module, filled once by a first engine (each engine run costs ~30 s on two
+cores); the kill is the module's last test.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from engine_support import (
     BLOCK,
     P1,
@@ -48,13 +53,26 @@ def node_counter(node: NodeProcess, name: str) -> int:
         conn.close()
 
 
+@pytest.fixture(scope="module")
+def filled_node(run_engine: EngineRunner, tiny_model: Path, baseline: dict[str, Any],
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """A node holding P1's and Q's chunks, stored by a first engine through its connector."""
+    work = tmp_path_factory.mktemp("vllm-cluster")
+    node = NodeProcess(work / "node")
+    node.start()
+    try:
+        first = run_engine(cluster_spec(tiny_model, [P1, Q], work / "first", node))
+        assert outputs(first) == [outputs(baseline)[0], outputs(baseline)[2]]
+        assert node_counter(node, "put_chunks") == 2 * (len(P1) // BLOCK)
+        yield node
+    finally:
+        node.stop()
+
+
 def test_second_engine_hits_what_the_first_stored_on_the_node(
         run_engine: EngineRunner, tiny_model: Path, baseline: dict[str, Any],
-        node: NodeProcess, tmp_path: Path) -> None:
-    first = run_engine(cluster_spec(tiny_model, [P1, Q], tmp_path / "a", node),
-                       multiprocess=True)
-    assert outputs(first) == [outputs(baseline)[0], outputs(baseline)[2]]
-    assert node_counter(node, "put_chunks") == 2 * (len(P1) // BLOCK)
+        filled_node: NodeProcess, tmp_path: Path) -> None:
+    node = filled_node
     second = run_engine(cluster_spec(tiny_model, [P1, P2], tmp_path / "b", node),
                         multiprocess=True)
     assert outputs(second) == outputs(baseline)[:2]
@@ -67,8 +85,8 @@ def test_second_engine_hits_what_the_first_stored_on_the_node(
 
 def test_node_killed_mid_run_engine_keeps_serving_identical_outputs(
         start_engine: EngineStarter, run_engine: EngineRunner, tiny_model: Path,
-        baseline: dict[str, Any], node: NodeProcess, tmp_path: Path) -> None:
-    run_engine(cluster_spec(tiny_model, [P1, Q], tmp_path / "a", node))  # fills the node
+        baseline: dict[str, Any], filled_node: NodeProcess, tmp_path: Path) -> None:
+    node = filled_node
     prompts = [P1, Q, P1, P2]
     lookups_before = node_counter(node, "op_exists")
     engine = start_engine(cluster_spec(tiny_model, prompts, tmp_path / "b", node))
