@@ -23,6 +23,7 @@ from kvpool.host import open_pool, wire
 from kvpool.host.client import AttachedPool
 from kvpool.host.server import HostServer, HostStartError
 from kvpool.host.tenants import peer_allowed
+from kvpool.keys import Namespace
 from kvpool.pool import KVPool
 
 
@@ -157,6 +158,52 @@ def test_reads_fall_back_to_bytes_on_the_socket_when_every_slot_is_pinned(
         wait_for(lambda: pool.stats()["host"]["held"] == 0, 10, "pins released")
     finally:
         pool.close()
+        server.stop()
+
+
+def put_in_fours(pool: AttachedPool, ns: Namespace, keys: list[bytes],
+                 datas: list[np.ndarray]) -> int:
+    return sum(pool.put_many(ns, keys[i:i + 4], datas[i:i + 4]) for i in range(0, len(keys), 4))
+
+
+def test_a_get_pins_its_chunks_as_one_batch_and_unpins_them_together(tmp_path: Path) -> None:
+    """An attached get pins its DRAM hits under one pin id (fetching SSD-only chunks into free
+    slots first); the bytes are the ones written, the pins count one per chunk against
+    host.max_held, and once the get unpins them every slot is evictable again. Past
+    max_held the get pins chunk by chunk and reads the rest as bytes."""
+    data = host_config(tmp_path, ssd={"enabled": True, "capacity": "32MiB",
+                                      "segment_size": "8MiB"},
+                       pool={"promote_on_hit": False}, host={"max_held": 6})
+    server = HostServer(config_from_dict(data)).start()
+    pool = AttachedPool(engine_config(data))
+    writer = AttachedPool(engine_config(data))
+    try:
+        ns = pool.register_namespace(namespace())
+        writer.register_namespace(ns)
+        cold, cold_datas = chunks(ns, 1, 2)
+        assert writer.put_many(ns, cold, cold_datas) == 2
+        assert writer.flush(30)
+        hot, hot_datas = chunks(ns, 2, 8)  # DRAM's 8 slots: the cold ones are on SSD only
+        assert put_in_fours(writer, ns, hot, hot_datas) == 8  # max_held: 6 reservations
+        keys, datas = hot[:3] + cold, hot_datas[:3] + cold_datas  # 5 chunks: under max_held
+        outs = [np.zeros_like(d) for d in datas]
+        assert pool.get_many_into(ns, keys, outs) == [True] * 5
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
+        attached = pool.stats()["attached"]
+        assert attached["dram_hits"] == 5 and attached["fallback_hits"] == 0  # cold fetched
+        assert pool.stats()["host"]["held"] == 0  # the stats request carried the unpin
+        # all 8 slots evictable again: 8 new chunks fit
+        new, new_datas = chunks(ns, 3, 8)
+        assert put_in_fours(writer, ns, new, new_datas) == 8
+        outs = [np.zeros_like(d) for d in new_datas]  # 8 chunks: past max_held
+        assert pool.get_many_into(ns, new, outs) == [True] * 8
+        assert all(np.array_equal(o, d) for o, d in zip(outs, new_datas, strict=True))
+        attached = pool.stats()["attached"]
+        assert attached["dram_hits"] == 5 + 6 and attached["fallback_hits"] == 2
+        assert pool.stats()["host"]["held"] == 0
+    finally:
+        pool.close()
+        writer.close()
         server.stop()
 
 

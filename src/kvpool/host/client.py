@@ -419,7 +419,7 @@ class AttachedPool:
     def _get_many_into(self, ns: Namespace, keys: Sequence[bytes],
                        views: Sequence[memoryview]) -> list[bool]:
         """``get_many_into`` after its checks and its wait for this engine's commits."""
-        asked = self._ask(wire.PIN, ns, keys, fetch=True, read=True)
+        asked = self._ask(wire.PIN, ns, keys, fetch=True, read=True, batch=True)
         if asked is None:
             self._miss(len(keys))
             return [False] * len(keys)
@@ -439,8 +439,8 @@ class AttachedPool:
                     views[i][:] = link.view(p[1], size)
                     found[i] = True
         finally:
-            if pins:
-                link.unpin_later(pins)
+            if pins:  # one id per batch (``batch``), repeated for each of its chunks
+                link.unpin_later(list(dict.fromkeys(pins)))
         hits = sum(found)
         self._counters.add_many({"dram_hits": len(pins), "fallback_hits": hits - len(pins),
                                  "misses": len(keys) - hits})

@@ -19,9 +19,26 @@ from kvpool.host.tenants import SHARED_TENANT, TenantPool
 from kvpool.keys import Namespace
 from kvpool.pool import ChunkReservation
 from kvpool.retention import Retention
-from kvpool.tiers.slots import PinnedView
+from kvpool.tiers.slots import PinnedBatch, PinnedView
 
 Answer = tuple[dict[str, Any], bytes | bytearray | memoryview]
+
+
+class _BatchPin:
+    """The chunks of one batched pin (an attached get: released together), held under one
+    pin id: the DRAM-resident ones pinned as one PinnedBatch, the ones fetched from lower
+    tiers as views."""
+
+    __slots__ = ("batch", "count", "fetched")
+
+    def __init__(self, batch: PinnedBatch, fetched: list[PinnedView]) -> None:
+        self.batch, self.fetched = batch, fetched
+        self.count = batch.pinned + len(fetched)
+
+    def release(self) -> None:
+        self.batch.release()
+        for view in self.fetched:
+            view.release()
 
 
 class Refused(KVPoolError):
@@ -35,7 +52,8 @@ class Session:
         self._max_held = max_held
         self._max_payload = max_payload  # an answer's tail stays within the peer's limit
         self._namespaces: dict[str, Namespace] = {}
-        self._pins: dict[int, PinnedView] = {}
+        self._pins: dict[int, PinnedView | _BatchPin] = {}
+        self._batched = 0  # chunks held by _BatchPin entries beyond their one pin id each
         self._reservations: dict[int, ChunkReservation] = {}
         #: Reservations of the engine's saves: every engine's lookups count them and reads
         #: wait for their commit (the tenant pool's read-your-writes) until they end.
@@ -44,7 +62,7 @@ class Session:
 
     @property
     def held(self) -> int:
-        return len(self._pins) + len(self._reservations)
+        return len(self._pins) + self._batched + len(self._reservations)
 
     def _id(self) -> int:
         self._next += 1
@@ -113,6 +131,11 @@ class Session:
         is the one that would commit them."""
         ns, keys = self._ns(meta), self._keys(meta, tail)
         own = self._own_saving(ns, keys)
+        if meta.get("batch") is True and not any(own) \
+                and self.held + len(keys) <= self._max_held:
+            batched = self._pin_batch(ns, keys, fetch=bool(meta.get("fetch")))
+            if batched is not None:
+                return self._with_reads(meta, ns, keys, batched, own)
         ask = [i for i, mine in enumerate(own) if not mine]
         views: list[PinnedView | None] = [None] * len(keys)
         got = self.pool.pin_many(ns, [keys[i] for i in ask],
@@ -130,6 +153,37 @@ class Session:
                 pin = self._id()
                 self._pins[pin] = view
                 out.append([pin, view.offset])
+        return self._with_reads(meta, ns, keys, out, own)
+
+    def _pin_batch(self, ns: Namespace, keys: list[bytes], fetch: bool) -> list[Any] | None:
+        """``pin`` with ``batch``: one pin id for every chunk pinned (the engine unpins them
+        together), the resident ones under one DRAM lock (``pin_resident``), then, with
+        ``fetch``, the others read from lower tiers into free slots. The answer's ``pins``
+        entries (None, or [pin id, arena offset]); None without a DRAM tier."""
+        batch = self.pool.pin_resident(ns, keys)
+        if batch is None:
+            return None
+        offsets = batch.offsets()
+        missing = [i for i, off in enumerate(offsets) if off is None]
+        fetched: list[PinnedView] = []
+        if missing and fetch:
+            got = self.pool.pin_many(ns, [keys[i] for i in missing], fetch=True)
+            for i, view in zip(missing, got, strict=True):
+                if view is not None:
+                    offsets[i] = view.offset
+                    fetched.append(view)
+        held = _BatchPin(batch, fetched)
+        if not held.count:
+            held.release()
+            return [None] * len(keys)
+        pin = self._id()
+        self._pins[pin] = held
+        self._batched += held.count - 1
+        return [None if off is None else [pin, off] for off in offsets]
+
+    def _with_reads(self, meta: dict[str, Any], ns: Namespace, keys: list[bytes],
+                    out: list[Any], own: list[bool]) -> Answer:
+        """The pin answer; with ``read``, the chunks left unpinned read into its tail."""
         payload = bytearray()
         if meta.get("read"):
             fit = self._max_payload // ns.chunk_bytes
@@ -146,6 +200,8 @@ class Session:
     def _op_unpin(self, meta: dict[str, Any], tail: bytearray) -> None:
         for pin in self._ids(meta):
             view = self._pins.pop(pin, None)
+            if isinstance(view, _BatchPin):
+                self._batched -= view.count - 1
             if view is not None:
                 view.release()
 
@@ -254,6 +310,7 @@ class Session:
     def close(self) -> None:
         """Release every pin, abort every reservation. Idempotent; never raises."""
         pins, self._pins = list(self._pins.values()), {}
+        self._batched = 0
         for view in pins:
             view.release()
         reservations = self._end(list(self._reservations))

@@ -74,6 +74,12 @@ class PinnedBatch:
         """How many of the keys are pinned (resident)."""
         return len(self._entries)
 
+    def offsets(self) -> list[int | None]:
+        """Per key: where its pinned slot starts in the arena (a host pool tells attached
+        engines), None where it was not resident."""
+        entries = iter(self._entries)
+        return [None if view is None else next(entries).offset for view in self.views]
+
     def release(self) -> None:
         entries, self._entries = self._entries, []
         if entries:
