@@ -13,7 +13,6 @@ import contextlib
 import mmap
 import socket
 import threading
-import time
 from typing import Any
 
 from kvpool.config import HostConfig
@@ -39,6 +38,7 @@ class Link:
         self.closed = False
         self._unpins: list[int] = []  # released pins not yet told to the host pool
         self._unpins_due = threading.Condition(self._lock)
+        self._flusher_idle = False  # the flusher waits for unpins with no deadline
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(host.connect_timeout_s)
@@ -111,35 +111,35 @@ class Link:
 
     def unpin_later(self, ids: list[int]) -> None:
         """Release pins: told to the host pool with the next request, or by this link's
-        flusher thread ``host.unpin_delay_s`` later if none comes (one wake-up of the host
-        pool per read instead of two). Pins of a closed link were released by the host pool
-        already."""
+        flusher thread within ``2 * host.unpin_delay_s`` if none comes (one wake-up of the
+        host pool per read instead of two). The flusher is woken only when it sleeps with
+        nothing to do (a wake-up per read cost the reading thread the GIL). Pins of a
+        closed link were released by the host pool already."""
         with self._lock:
             if self.closed:
                 return
-            if not self._unpins:
-                self._unpins_due.notify()
             self._unpins.extend(ids)
+            if self._flusher_idle:
+                self._flusher_idle = False
+                self._unpins_due.notify()
 
     def _flush_unpins(self) -> None:
-        """The flusher thread: sends pins released ``host.unpin_delay_s`` ago that no
-        request carried meanwhile; ends when the link closes."""
+        """The flusher thread: sends the pending pins that no request carried for a whole
+        ``host.unpin_delay_s`` (a request takes the list and leaves a new one, so a list
+        still there after the wait waited that long); ends when the link closes."""
         delay = self._host.unpin_delay_s
         with self._lock:
             while not self.closed:
-                if not self._unpins:
+                pending = self._unpins
+                if not pending:
+                    self._flusher_idle = True
                     self._unpins_due.wait()
                     continue
-                deadline = time.monotonic() + delay
-                while self._unpins and not self.closed:  # a request may take them first
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._unpins_due.wait(left)
-                if self._unpins and not self.closed:
-                    ids, self._unpins = self._unpins, []
+                self._unpins_due.wait(delay)
+                if self._unpins is pending and pending and not self.closed:
+                    self._unpins = []
                     try:
-                        wire.send_frame(self.sock, {"op": wire.UNPIN, "ids": ids})
+                        wire.send_frame(self.sock, {"op": wire.UNPIN, "ids": pending})
                     except OSError:
                         self._close_locked()
 
