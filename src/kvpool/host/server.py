@@ -152,8 +152,11 @@ class HostServer:
     def _warn(self, event: str, message: str) -> None:
         """One warning per event per 10 s: a flood must not flood the log as well."""
         now = time.monotonic()
-        if now - self._warned.get(event, -1e9) >= 10.0:
-            self._warned[event] = now
+        with self._lock:  # accept and connection threads warn at once
+            due = now - self._warned.get(event, -1e9) >= 10.0
+            if due:
+                self._warned[event] = now
+        if due:
             log.warning(message, extra={"event": event})
 
     def _admit(self, size: int) -> None:
