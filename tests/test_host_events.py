@@ -18,6 +18,7 @@ from events_support import free_port, get_json, post_json
 from host_child import chunks, namespace
 from host_support import host_config, run_child, start_host, write_config
 from kvtest import wait_for
+from node_process import NodeProcess
 
 from kvpool.events.consumer import RESET_RESTART, EventConsumer
 from kvpool.events.schema import BlockStored, KVEventBatch
@@ -218,3 +219,36 @@ def test_an_events_port_in_use_is_a_one_line_exit_2(tmp_path: Path) -> None:
     assert len(lines) == 1 and f"events.port={port}" in lines[0] \
         and "events.replay_port=0" in lines[0], done.stderr
     assert not Path(data["host"]["socket"]).exists()  # nothing left listening
+
+
+def test_the_cluster_tier_is_a_query_medium_not_an_event_one(tmp_path: Path,
+                                                              node: NodeProcess) -> None:
+    metrics = free_port()
+    data = host_config(tmp_path, server={"metrics_port": metrics},
+                       cluster={"nodes": [node.address], "retry_down_s": 0.2},
+                       events={"batch_interval_s": 0.02, "node_id": "host-a"})
+    config = write_config(tmp_path, data, "engine.yaml")
+    host = start_host(tmp_path, data)
+    follower = Follower(get_json(metrics, "/events"))
+    try:
+        ns = namespace()
+        keys, _ = chunks(ns, 1, 3)
+        assert run_child("save", config, "", 1, 3) == {"stored": 3}
+
+        def remote() -> object:
+            status, answer = _query(metrics, ns, 1, 3)
+            assert status == 200, answer
+            return answer["default"]["host-a"].get("REMOTE")
+
+        wait_for(lambda: remote() == 3 * TOKENS, 30,
+                 "the host pool's saves reached the node, and the query asks the node")
+        wait_for(lambda: follower.held("host-a", MEDIUM_CPU, ns) == set(keys), 30,
+                 "the DRAM events")
+        # The node announces its own copies (under its node id); the host pool does not
+        # announce them again as REMOTE.
+        assert {e.medium for e in follower.stored} == {MEDIUM_CPU}
+        node.kill9()  # a dead node is a miss in the answer, never an error
+        assert remote() == 0
+    finally:
+        follower.close()
+        assert host.stop() == 0
