@@ -9,68 +9,20 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 from functools import partial
 from pathlib import Path
 
-from events_support import free_port, get_json, post_json
+from events_support import Follower, free_port, get_json, post_json
 from host_child import chunks, namespace
 from host_support import host_config, run_child, start_host, write_config
 from kvtest import wait_for
 from node_process import NodeProcess
 
-from kvpool.events.consumer import RESET_RESTART, EventConsumer
-from kvpool.events.schema import BlockStored, KVEventBatch
+from kvpool.events.consumer import RESET_RESTART
 from kvpool.events.sink import MEDIUM_CPU, MEDIUM_DISK
 from kvpool.keys import Namespace
 
 TOKENS = 128  # host_child's chunk_tokens
-
-
-class Follower:
-    """An EventConsumer polled all the time by a thread of its own, as ``kvpool route``
-    polls: a SUB socket takes in its publisher's restart (and subscribes again) only when it
-    is polled. Keeps every BlockStored applied and every reset (its EventListener)."""
-
-    def __init__(self, info: dict[str, str]) -> None:
-        self.stored: list[BlockStored] = []
-        self.resets: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-        self._consumer = EventConsumer([(info["endpoint"], info["replay_endpoint"])],
-                                       listener=self)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                self._consumer.poll(0.02)
-            time.sleep(0.005)
-
-    def batch(self, node: str, source: str, seq: int, batch: KVEventBatch) -> None:
-        self.stored.extend(e for e in batch.events if isinstance(e, BlockStored))
-
-    def reset(self, node: str, source: str, reason: str) -> None:
-        self.resets.append((node, reason))
-
-    def held(self, node: str, medium: str, ns: Namespace) -> set[bytes]:
-        with self._lock:
-            return self._consumer.held(node, medium, ns.id)
-
-    def prefix(self, node: str, medium: str, ns: Namespace, keys: list[bytes]) -> int:
-        with self._lock:
-            return self._consumer.prefix(node, medium, ns.id, keys)
-
-    def tenant(self, node: str, ns: Namespace) -> str | None:
-        with self._lock:
-            return self._consumer.tenant(node, ns.id)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self._consumer.close()
 
 
 def _tokens(seed: int, n: int) -> list[int]:
