@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from functools import partial
 from pathlib import Path
 
@@ -17,10 +18,14 @@ from host_child import chunks, namespace
 from host_support import host_config, run_child, start_host, write_config
 from kvtest import wait_for
 from node_process import NodeProcess
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.config import config_from_dict
 from kvpool.events.consumer import RESET_RESTART
 from kvpool.events.sink import MEDIUM_CPU, MEDIUM_DISK
+from kvpool.host.server import HostServer
 from kvpool.keys import Namespace
+from kvpool.tiers.dram import DramTier
 
 TOKENS = 128  # host_child's chunk_tokens
 
@@ -78,6 +83,11 @@ def test_host_pool_events_follow_dram_and_ssd_and_restarts(tmp_path: Path) -> No
         status, answer = post_json(metrics, "/query_by_hash", {
             "model": "host-test", "seq_hashes": [k.hex() for k in first], "tenant_id": "x"})
         assert status == 200 and answer["x"]["host-a"]["DISK"] == 4 * TOKENS
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as r:
+            published = {m.labels["medium"]: m.value for f in text_string_to_metric_families(
+                r.read().decode()) for m in f.samples
+                if m.name == "kvpool_events_published_total"}
+        assert published["CPU"] > 0 and published["DISK"] > 0
 
         host.kill()  # SIGKILL; the same events ports on restart
         host = start_host(tmp_path, data)
@@ -204,3 +214,25 @@ def test_the_cluster_tier_is_a_query_medium_not_an_event_one(tmp_path: Path,
     finally:
         follower.close()
         assert host.stop() == 0
+
+
+def test_tenant_pools_never_start_a_publisher_of_their_own(tmp_path: Path) -> None:
+    auth = [{"token": "token-a-secret", "tenants": ["a", "b"]}]
+    for enabled in (False, True):
+        base = tmp_path / str(enabled)
+        server = HostServer(config_from_dict(host_config(
+            base, server={"auth": auth}, events={"enabled": enabled})))
+        try:
+            pools = server.tenants.pools()
+            assert [t.name for t in pools] == ["a", "b"]
+            assert all(t.pool.events is None for t in pools)
+            drams = [tier for t in pools for tier in t.pool.tiers()
+                     if isinstance(tier, DramTier)]
+            assert len(drams) == 2
+            if enabled:  # one publisher; each tenant's DRAM holds a sink of it
+                assert server.events is not None
+                assert all(d.events is not None for d in drams)
+            else:
+                assert server.events is None and all(d.events is None for d in drams)
+        finally:
+            server.stop()
