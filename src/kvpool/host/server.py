@@ -16,8 +16,8 @@ connection; out of descriptors, the accept thread backs off until one is freed.
 
 ``stop`` closes the listener, every connection and every tenant's pool (the
 write-behind queues drain to SSD), then the KV event publisher (host/events.py); the socket
-file is removed. A host pool killed -9 leaves
-its socket file behind: the next start finds nobody answering on it and replaces it.
+file is removed. A host pool killed -9 leaves its socket file behind: the next start finds
+nobody answering on it and replaces it.
 """
 
 from __future__ import annotations
