@@ -4,14 +4,17 @@ through a real kvpool route process-free router in front of fake engines."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from events_support import Follower
 from kvtest import byte_namespace, payload_for, require_extra, wait_for
 
 from kvpool.bench.route import Answer, RouteWorkload, mismatch, ratios, requests
+from kvpool.bench.stats import BenchFailure
 from kvpool.config import config_from_dict
 
 
@@ -101,11 +104,23 @@ def test_the_shared_pool_starts_and_engines_configs_open_it(kind: str, tmp_path:
 
     ns = byte_namespace(64 * 1024)
     key = ns.chunk_keys(list(range(4)))[0]
+    stats = [tmp_path / f"stats{i}.json" for i in range(2)]
     with SharedPool(tmp_path, lambda msg: None, kind, "64MiB", "64MiB") as pool:
         assert kind in pool.describe()
-        configs = [pool.connector(tmp_path / f"stats{i}.json")["kv_connector_extra_config"]
-                   for i in range(2)]
+        configs = [pool.connector(path)["kv_connector_extra_config"] for path in stats]
         assert configs[0]["config"] != configs[1]["config"]  # each engine its own cache_dir
+        for path in stats:  # what each engine's connector writes when it registers
+            path.write_text(json.dumps({"counters": {}, "namespace": ns.canonical()}))
+        # The routers follow the shared pool's events for the engines' namespace.
+        suffix, extra = pool.router_args(stats)
+        assert extra[:2] == ("--namespace-id", ns.id.hex())
+        if kind == "host":  # both engines attach to it: a host= publisher on each engine
+            fields = dict(f.split("=", 1) for f in suffix.lstrip(",").split(","))
+            pub, replay = fields["host"], fields["host-replay"]
+        else:  # a storage node: the storage tier's publisher
+            assert suffix == "" and extra[-2] == "--storage-events"
+            pub, replay = extra[-1].split(",replay=")
+        follower = Follower({"endpoint": pub, "replay_endpoint": replay})
         pools = [open_pool(config_from_dict(c["config"])) for c in configs]
         try:
             for p in pools:
@@ -117,8 +132,14 @@ def test_the_shared_pool_starts_and_engines_configs_open_it(kind: str, tmp_path:
             wait_for(lambda: pools[1].get_into(ns, key, out), 30,
                      "the other engine's pool finds the chunk")
             assert np.array_equal(out, data)
+            wait_for(lambda: follower.leading_run(ns, [key]) == 1, 30,
+                     "the shared pool announced the chunk")
         finally:
+            follower.close()
             for p in pools:
                 p.close()
+        stats[1].write_text(json.dumps({"namespace": byte_namespace(4096).canonical()}))
+        with pytest.raises(BenchFailure, match="2 namespaces"):
+            pool.router_args(stats)
     with pytest.raises(ValueError, match="kind"):
         SharedPool(tmp_path / "x", lambda msg: None, "redis")

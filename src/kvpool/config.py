@@ -381,19 +381,20 @@ class EventsConfig(_Section):
     """KV events: what enters and leaves the tiers, published in vLLM's KV event format (msgpack
     over ZMQ PUB, a replay socket; docs/routing.md)."""
 
-    enabled: bool | None = Field(None, description="Publish KV events. Unset: on for kvpool serve (a storage node), off for an embedded pool; true turns them on for an embedded pool too, false off everywhere. Needs pyzmq and msgspec (kvpool[server]); without them the node logs one warning and publishes nothing.")
-    host: str | None = Field(None, description="Address the PUB and replay sockets bind. Unset: server.host on a node, metrics.host in an embedded pool.")
-    port: int = Field(0, ge=0, le=65535, description="PUB socket port (0 = any free port; a node's GET /events on its metrics port answers the endpoints).")
+    enabled: bool | None = Field(None, description="Publish KV events. Unset: on for kvpool serve (a storage node) and kvpool host (a host pool: one publisher for every tenant's pool, each event naming its tenant when server.auth lists several), off for an embedded pool; true turns them on for an embedded pool too, false off everywhere. Needs pyzmq and msgspec (kvpool[server]); without them the node logs one warning and publishes nothing.")
+    host: str | None = Field(None, description="Address the PUB and replay sockets bind. Unset: server.host on a node and a host pool, metrics.host in an embedded pool.")
+    port: int = Field(0, ge=0, le=65535, description="PUB socket port (0 = any free port; GET /events on a node's or host pool's metrics port answers the endpoints).")
     replay_port: int = Field(0, ge=0, le=65535, description="Replay (ZMQ ROUTER) socket port: a consumer that missed batches asks for them from a sequence number (0 = any free port).")
     topic: str = Field("kvpool", description="Topic frame of every event message.")
-    node_id: str | None = Field(None, description="Who holds the chunks, in every batch. Unset: server.node_id on a node, the host name in an embedded pool.")
+    node_id: str | None = Field(None, description="Who holds the chunks, in every batch (and a host pool's query answers). Unset: server.node_id on a node, the host name in a host pool and an embedded pool.")
     queue_events: int = Field(65536, ge=1, description="Events queued for the publisher thread; past it an event is dropped (counted as kvpool_events_dropped_total) and consumers see a sequence gap. Never blocks a put or an eviction.")
     replay_batches: int = Field(10000, ge=1, description="Batches kept for replay.")
     batch_interval_s: float = Field(0.05, gt=0, le=10, description="How often the publisher thread sends what was queued, as one batch.")
 
 
 class QueryConfig(_Section):
-    """The query API on a node's metrics port: /query, /query_by_hash (docs/routing.md)."""
+    """The query API on a node's (and a host pool's) metrics port: /query, /query_by_hash
+    (docs/routing.md)."""
 
     timeout_s: float = Field(2.0, gt=0, description="A cluster-wide query (scope: cluster) waits this long for each node; a node that does not answer in time is reported dead.")
 

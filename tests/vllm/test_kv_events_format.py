@@ -50,8 +50,8 @@ def test_vllm_decodes_a_kvpool_batch(vllm_python: Path, tmp_path: Path) -> None:
     keys = [bytes([i]) * 16 for i in range(3)]
     ns_id = bytes(range(16))
     batch = KVEventBatch(ts=12.5, events=[
-        BlockStored(keys, None, [], 256, None, "CPU", None, ns_id),
-        BlockRemoved(keys[:1], "DISK", ns_id),
+        BlockStored(keys, None, [], 256, None, "CPU", None, ns_id, "tenant-a"),
+        BlockRemoved(keys[:1], "DISK", ns_id, "tenant-a"),
         AllBlocksCleared("DISK", ns_id)], node="node-a", incarnation="abc",
         key_scope="namespace")
     payload = encode(batch)

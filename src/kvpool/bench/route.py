@@ -169,7 +169,8 @@ class RouterProcess(Service):
     """``kvpool route`` in the vLLM venv (it has aiohttp, pyzmq, msgspec)."""
 
     def __init__(self, python: str, engines: list[tuple[int, int, int]], policy: str,
-                 run_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
+                 run_dir: Path, extra_args: tuple[str, ...] = (),
+                 engine_suffix: str = "") -> None:
         self.port = _free_port()
         run_dir.mkdir(parents=True, exist_ok=True)
         src = str(Path(kvpool.__file__).resolve().parents[1])
@@ -177,7 +178,7 @@ class RouterProcess(Service):
                "route", "--port", str(self.port), "--policy", policy, *extra_args]
         for http, events, replay in engines:
             cmd += ["--engine", f"http://127.0.0.1:{http},events=tcp://127.0.0.1:{events},"
-                    f"replay=tcp://127.0.0.1:{replay}"]
+                    f"replay=tcp://127.0.0.1:{replay}{engine_suffix}"]
         super().__init__(f"kvpool route ({policy})", cmd, dict(os.environ, PYTHONPATH=src),
                          run_dir, run_dir / f"router-{policy}.log",
                          f"http://127.0.0.1:{self.port}/healthz", ROUTER_START_S)
@@ -196,9 +197,13 @@ def shared_pool_connector(pool_config: dict[str, Any], stats_path: Path) -> dict
 
 def run_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Path,
               connector: Callable[[int], dict[str, Any] | None],
-              say: Callable[[str], None]) -> dict[str, Any]:
+              say: Callable[[str], None],
+              routing: Callable[[], tuple[str, tuple[str, ...]]] | None = None
+              ) -> dict[str, Any]:
     """Both passes of one set-up in two fresh engines (``connector(i)``: engine i's
-    ``--kv-transfer-config`` or None), then the direct check. Raises BenchFailure."""
+    ``--kv-transfer-config`` or None), then the direct check. ``routing()``, asked once the
+    engines answer: (a suffix for every ``--engine`` of the routers, extra router
+    arguments): the shared pool's publisher. Raises BenchFailure."""
     events = [(_free_port(), _free_port()) for _ in range(2)]  # (PUB, replay) per engine
     say(f"{setup}: starting two vLLM servers ({load.dtype}), one core each, KV events on")
     cores = max(1, os.cpu_count() or 1)
@@ -219,8 +224,9 @@ def run_setup(setup: str, load: RouteWorkload, python: str, model: str, work: Pa
         for s in servers:  # started side by side, each on its own core
             s.wait_healthy()
         pairs = [(s.port, *e) for s, e in zip(servers, events, strict=True)]
+        suffix, extra = routing() if routing is not None else ("", ())
         for policy in ("kv", "round_robin"):
-            routers[policy] = RouterProcess(python, pairs, policy, work / setup)
+            routers[policy] = RouterProcess(python, pairs, policy, work / setup, extra, suffix)
         time.sleep(1.0)  # the routers' subscriptions reach the publishers
         for n, policy in enumerate(("round_robin", "kv")):
             reqs = requests(load, load.seed + 1 + n)
@@ -308,8 +314,10 @@ def _one_setup(setup: str, load: RouteWorkload, python: str, model: str, work: P
     from kvpool.bench.route_shared import SharedPool
 
     with SharedPool(work / "shared-pool", say, load.shared_pool) as pool:
+        stats = [work / f"stats{i}.json" for i in range(2)]
         result = run_setup(setup, load, python, model, work,
-                           lambda i: pool.connector(work / f"stats{i}.json"), say)
+                           lambda i: pool.connector(stats[i]), say,
+                           lambda: pool.router_args(stats))
         result["pool"] = pool.describe()
     # the engines' connector counters (written when they stop): the shared pool must have
     # served loads, else this set-up measured the engines' own caches only

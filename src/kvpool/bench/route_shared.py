@@ -13,24 +13,31 @@ Two kinds (``--shared-pool``):
   (the save path stages there) and no SSD: a document the other engine prefilled is a read
   from the shared node over loopback TCP.
 
+Either kind publishes its KV events on fixed ports (``router_args``), so the ``kv`` router
+scores the shared pool's hits: a host pool's with the host tier's weight (``host=`` on every
+engine: both attach to it), a node's with the storage tier's (``--storage-events``), for the
+namespace the engines' connectors registered (their stats files name it).
+
 Failure contract: a pool that does not start raises BenchFailure with its output; ``close``
 (the context manager's exit) stops it.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import yaml
 
-from kvpool.bench.remote_peers import Process
+from kvpool.bench.remote_peers import Process, free_port
 from kvpool.bench.serve import kvpool_transfer_config
 from kvpool.bench.stats import BenchFailure
 from kvpool.host.launch import HostProcess
+from kvpool.keys import Namespace
 
 KINDS = ("host", "node")
 #: kvpool chunk of the shared set-up, in tokens (a multiple of vLLM's CPU block size, 128).
@@ -54,8 +61,12 @@ class SharedPool:
         self._host: HostProcess | None = None
         self._node: Process | None = None
         self.socket = work / "host.sock"
+        #: the pool's KV event publisher (PUB, replay), on 127.0.0.1
+        self.events = (free_port(), free_port())
         cfg: dict[str, Any] = {"cache_dir": str(work / "pool"), "ssd": {"enabled": False},
-                               "dram": {"capacity": pool_dram}, "metrics": {"enabled": False}}
+                               "dram": {"capacity": pool_dram}, "metrics": {"enabled": False},
+                               "events": {"host": "127.0.0.1", "port": self.events[0],
+                                          "replay_port": self.events[1]}}
         path = work / "pool.yaml"
         say(f"shared: one kvpool {'host pool' if kind == 'host' else 'serve node'} "
             f"({pool_dram} DRAM) for both engines")
@@ -82,6 +93,25 @@ class SharedPool:
         else:
             config["host"] = {"socket": str(self.socket)}
         return kvpool_transfer_config(config, stats_path, chunk_tokens=CHUNK_TOKENS)
+
+    def router_args(self, stats_paths: Sequence[Path]) -> tuple[str, tuple[str, ...]]:
+        """What ``kvpool route`` needs to score this pool: (a suffix for every ``--engine``,
+        extra arguments). The namespace id comes from the engines' connector stats files
+        (``stats_paths``: written when a connector registers its namespace, before the
+        engine answers /health). Raises BenchFailure when a file lacks it or they differ."""
+        ids = set()
+        for path in stats_paths:
+            try:
+                ids.add(Namespace.from_canonical(json.loads(path.read_text())["namespace"]).id)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise BenchFailure(f"{path}: no connector namespace ({exc})") from exc
+        if len(ids) != 1:
+            raise BenchFailure(f"the engines registered {len(ids)} namespaces, not one")
+        pub, replay = (f"tcp://127.0.0.1:{p}" for p in self.events)
+        args = ("--namespace-id", ids.pop().hex(), "--chunk-tokens", str(CHUNK_TOKENS))
+        if self._node is not None:
+            return "", (*args, "--storage-events", f"{pub},replay={replay}")
+        return f",host={pub},host-replay={replay}", args
 
     def describe(self) -> str:
         if self._node is not None:

@@ -15,6 +15,7 @@ from kvpool.events.sink import MEDIUM_CPU, MEDIUM_DISK
 from kvpool.metrics.families import Families
 
 if TYPE_CHECKING:
+    from kvpool.config import EventsConfig
     from kvpool.events.publisher import EventPublisher
     from kvpool.pool import KVPool
 
@@ -29,32 +30,50 @@ def start_events(pool: KVPool, node: str | None, host: str,
     to chunk keys (``KVEventBatch.key_scope``: a storage node's are "namespace"). Returns
     None, with one warning, when pyzmq or msgspec is not installed. Raises zmq.ZMQError
     when a port cannot be bound."""
+    publisher = open_publisher(pool.config.events, node, host, key_scope)
+    if publisher is not None:
+        attach(pool, publisher)
+    pool.metrics.register(EventsCollector(publisher))
+    return publisher
+
+
+def open_publisher(cfg: EventsConfig, node: str | None, host: str,
+                   key_scope: str = "") -> EventPublisher | None:
+    """A publisher with ``cfg``'s settings bound on ``host``, attached to nothing yet (one
+    publisher may serve several pools: a host pool's tenants). None, with one warning,
+    when pyzmq or msgspec is not installed. Raises zmq.ZMQError when a port cannot be
+    bound."""
     try:
         from kvpool.events.publisher import EventPublisher, PublisherSettings
     except ImportError as exc:
         log.warning("kv events off: %s (pip install 'kvpool[server]')", exc,
                     extra={"event": "events_unavailable"})
-        pool.metrics.register(EventsCollector(None))
         return None
-    cfg = pool.config.events
     settings = PublisherSettings(host, cfg.port, cfg.replay_port, cfg.topic, cfg.queue_events,
                                  cfg.replay_batches, cfg.batch_interval_s,
                                  key_scope=key_scope)
-    publisher = EventPublisher(settings, node or socket.gethostname())
-    attach(pool, publisher)
-    pool.metrics.register(EventsCollector(publisher))
-    return publisher
+    return EventPublisher(settings, node or socket.gethostname())
 
 
-def attach(pool: KVPool, publisher: EventPublisher | None) -> None:
-    """Point the pool's DRAM tier and SSD engine at ``publisher`` (None detaches)."""
+def bind_error(cfg: EventsConfig, exc: BaseException) -> str:
+    """The one line ``kvpool serve`` and ``kvpool host`` exit with when the publisher's
+    ports cannot be bound."""
+    return (f"events.port={cfg.port}, events.replay_port={cfg.replay_port}: cannot publish "
+            f"KV events: {exc}")
+
+
+def attach(pool: KVPool, publisher: EventPublisher | None,
+           tenant: str | None = None) -> None:
+    """Point the pool's DRAM tier and SSD engine at ``publisher`` (None detaches), their
+    events marked with ``tenant`` (a host pool's tenant pools; None: not marked). The
+    cluster tier publishes nothing: REMOTE is a query-answer medium only (docs/routing.md)."""
     from kvpool.tiers.dram import DramTier
     from kvpool.tiers.ssd import SsdTier
     for tier in pool.tiers():
         if isinstance(tier, DramTier):
-            tier.events = publisher.sink(MEDIUM_CPU) if publisher is not None else None
+            tier.events = publisher.sink(MEDIUM_CPU, tenant) if publisher is not None else None
         elif isinstance(tier, SsdTier):
-            tier.engine.attach_events(publisher.sink(MEDIUM_DISK)
+            tier.engine.attach_events(publisher.sink(MEDIUM_DISK, tenant)
                                       if publisher is not None else None)
 
 

@@ -61,6 +61,8 @@ class PublisherState:
     last_seq: int = -1
     #: (medium, namespace id) -> keys held
     held: dict[tuple[str, bytes], set[bytes]] = field(default_factory=dict)
+    #: namespace id -> the tenant its events named (a host pool with several tenants)
+    tenants: dict[bytes, str] = field(default_factory=dict)
     resets: int = 0
     replayed: int = 0
     source: str = ""  # the endpoint it was subscribed at
@@ -201,6 +203,7 @@ class EventConsumer:
 
     def _reset(self, node: str, state: PublisherState, reason: str) -> None:
         state.held.clear()
+        state.tenants.clear()
         state.resets += 1
         if self._on_reset is not None:
             self._on_reset(node)
@@ -217,6 +220,8 @@ class EventConsumer:
     @staticmethod
     def _hold(state: PublisherState, batch: KVEventBatch) -> None:
         for event in batch.events:
+            if event.tenant is not None and event.namespace_id is not None:
+                state.tenants[bytes(event.namespace_id)] = event.tenant
             if isinstance(event, BlockStored):
                 keys = state.held.setdefault((event.medium or "", event.namespace_id or b""),
                                              set())
@@ -237,6 +242,12 @@ class EventConsumer:
         if state is None:
             return set()
         return set(state.held.get((medium, namespace_id), set()))
+
+    def tenant(self, node: str, namespace_id: bytes) -> str | None:
+        """The tenant ``node``'s events named for ``namespace_id`` (a host pool with several
+        tenants: its namespaces are each one tenant's); None when they named none."""
+        state = self.nodes.get(node)
+        return state.tenants.get(namespace_id) if state is not None else None
 
     def filed(self, node: str, namespace_id: bytes, keys: Sequence[bytes]) -> list[bytes]:
         """A prompt's chained chunk ``keys`` as ``node`` announces them."""

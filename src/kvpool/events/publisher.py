@@ -60,22 +60,27 @@ def new_incarnation() -> str:
 
 
 class _MediumSink:
-    """A TierEvents bound to one medium of one publisher."""
+    """A TierEvents bound to one medium (and tenant, on a host pool) of one publisher."""
 
-    __slots__ = ("_medium", "_offer")
+    __slots__ = ("_medium", "_offer", "_tenant")
 
-    def __init__(self, publisher: EventPublisher, medium: str) -> None:
+    def __init__(self, publisher: EventPublisher, medium: str, tenant: str | None) -> None:
         self._offer = publisher.offer
         self._medium = medium
+        self._tenant = tenant
 
     def stored(self, keys: Sequence[bytes], namespace: Namespace | bytes) -> None:
-        self._offer(_STORED, self._medium, namespace, keys)
+        self._offer(_STORED, self._medium, namespace, keys, self._tenant)
 
     def removed(self, keys: Sequence[bytes], namespace: Namespace | bytes) -> None:
-        self._offer(_REMOVED, self._medium, namespace, keys)
+        self._offer(_REMOVED, self._medium, namespace, keys, self._tenant)
 
     def cleared(self, namespace: Namespace | bytes) -> None:
-        self._offer(_CLEARED, self._medium, namespace, ())
+        self._offer(_CLEARED, self._medium, namespace, (), self._tenant)
+
+
+#: A queued event: kind, medium, namespace, keys, tenant.
+_Item = tuple[int, str, Namespace | bytes, tuple[bytes, ...], str | None]
 
 
 class EventPublisher:
@@ -88,7 +93,7 @@ class EventPublisher:
         self.node = node
         self.incarnation = new_incarnation()
         self._lock = threading.Lock()
-        self._queue: deque[tuple[int, str, Namespace | bytes, tuple[bytes, ...]]] = deque()
+        self._queue: deque[_Item] = deque()
         self._cap = settings.queue_events
         self._dropped_pending = 0  # dropped since the last batch: the next one skips a seq
         self._chunk_tokens: dict[bytes, int] = {}
@@ -126,19 +131,20 @@ class EventPublisher:
                          "replay_endpoint": self.replay_endpoint, "node": node,
                          "incarnation": self.incarnation})
 
-    def sink(self, medium: str) -> _MediumSink:
-        """The TierEvents a tier of ``medium`` calls."""
-        return _MediumSink(self, medium)
+    def sink(self, medium: str, tenant: str | None = None) -> _MediumSink:
+        """The TierEvents a tier of ``medium`` calls; ``tenant``: the tenant whose pool the
+        tier is (a host pool with several tenants), carried by every event it sends."""
+        return _MediumSink(self, medium, tenant)
 
     def offer(self, kind: int, medium: str, namespace: Namespace | bytes,
-              keys: Sequence[bytes]) -> None:
+              keys: Sequence[bytes], tenant: str | None = None) -> None:
         """Queue one event; past the bound, drop it (counted). Never blocks, never raises."""
         with self._lock:
             if len(self._queue) >= self._cap or not self._running:
                 self.dropped += 1
                 self._dropped_pending += 1
                 return
-            self._queue.append((kind, medium, namespace, tuple(keys)))
+            self._queue.append((kind, medium, namespace, tuple(keys), tenant))
 
     def info(self) -> dict[str, object]:
         """What ``GET /events`` answers."""
@@ -164,8 +170,7 @@ class EventPublisher:
             if not running:
                 return
 
-    def _take(self) -> tuple[list[tuple[int, str, Namespace | bytes, tuple[bytes, ...]]],
-                             int]:
+    def _take(self) -> tuple[list[_Item], int]:
         with self._lock:
             items = list(self._queue)
             self._queue.clear()
@@ -192,21 +197,21 @@ class EventPublisher:
             return
         self._ring.append((seq, payload))
         self.batches += 1
-        for _kind, medium, _, _keys in items:
+        for _kind, medium, _, _keys, _tenant in items:
             self.published[medium] = self.published.get(medium, 0) + 1
 
-    def _events(self, items: list[tuple[int, str, Namespace | bytes, tuple[bytes, ...]]]
-                ) -> list[KVEvent]:
-        """Consecutive events of one kind, medium and namespace become one (keys joined)."""
+    def _events(self, items: list[_Item]) -> list[KVEvent]:
+        """Consecutive events of one kind, medium, namespace and tenant become one (keys
+        joined)."""
         out: list[KVEvent] = []
-        last: tuple[int, str, bytes] | None = None
-        for kind, medium, namespace, keys in items:
+        last: tuple[int, str, bytes, str | None] | None = None
+        for kind, medium, namespace, keys, tenant in items:
             if isinstance(namespace, Namespace):
                 ns_id = namespace.id
                 self._chunk_tokens[ns_id] = namespace.chunk_tokens
             else:
                 ns_id = bytes(namespace)
-            ident = (kind, medium, ns_id)
+            ident = (kind, medium, ns_id, tenant)
             if ident == last and kind != _CLEARED:
                 prev = out[-1]
                 assert isinstance(prev, BlockStored | BlockRemoved)
@@ -215,11 +220,11 @@ class EventPublisher:
             last = ident
             if kind == _STORED:
                 out.append(BlockStored(list(keys), None, [], self._chunk_tokens.get(ns_id, 0),
-                                       None, medium, None, ns_id))
+                                       None, medium, None, ns_id, tenant))
             elif kind == _REMOVED:
-                out.append(BlockRemoved(list(keys), medium, ns_id))
+                out.append(BlockRemoved(list(keys), medium, ns_id, tenant))
             else:
-                out.append(AllBlocksCleared(medium, ns_id))
+                out.append(AllBlocksCleared(medium, ns_id, tenant))
         return out
 
     def _serve_replay(self) -> None:

@@ -37,18 +37,23 @@ class BlockStored(KVCacheEvent):
     lora_name: str | None
     #: kvpool: the 16-byte namespace id the keys belong to.
     namespace_id: bytes | None = None
+    #: kvpool: the tenant whose pool holds them, on a host pool with several tenants
+    #: (``server.auth``); None (left out of the map) everywhere else.
+    tenant: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
     namespace_id: bytes | None = None
+    tenant: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
     #: kvpool: which medium and namespace were dropped (None: everything of the publisher).
     medium: str | None = None
     namespace_id: bytes | None = None
+    tenant: str | None = None
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

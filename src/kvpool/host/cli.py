@@ -25,6 +25,7 @@ from kvpool.server.cli import load_or_exit, start_or_exit
 if TYPE_CHECKING:
     from kvpool.host.server import HostServer
     from kvpool.metrics.http import MetricsServer
+    from kvpool.server.query import QueryService
 
 status = logging.getLogger(STATUS_LOGGER)
 
@@ -35,14 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", help="override host.socket (the Unix socket engines "
                         "attach to)")
     parser.add_argument("--cache-dir", help="override cache_dir (where the SSD tier lives)")
-    parser.epilog = ("With server.metrics_port set, /healthz, /readyz and /metrics are served "
-                     "on it (server.host).")
+    parser.epilog = ("With server.metrics_port set, /healthz, /readyz, /metrics, /events, "
+                     "/query and /query_by_hash are served on it (server.host). KV events are "
+                     "published unless events.enabled is false (docs/routing.md).")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Exit 2 with one line on stderr for a setting to fix (bad config, no DRAM, the socket
-    held by a live host pool); 1 when the socket cannot be bound; 0 after SIGTERM/SIGINT,
-    once every tenant's pool is closed (write-behind drained to SSD)."""
+    held by a live host pool, an events port that cannot be bound: it names events.port and
+    events.replay_port); 1 when the socket or server.metrics_port cannot be bound; 0 after
+    SIGTERM/SIGINT, once every tenant's pool is closed (write-behind drained to SSD)."""
     overrides: dict[str, Any] = {}
     if args.socket:
         overrides["host"] = {"socket": args.socket}
@@ -76,23 +79,34 @@ def run_from_args(args: argparse.Namespace) -> int:
         pass
     server.stop()
     if pages is not None:
-        pages.close()
+        pages[0].close()
+        pages[1].close()
     status.info("host pool stopped", extra={"event": "stopped"})
     return 0
 
 
-def _serve_pages(cfg: Config, server: HostServer) -> MetricsServer | None:
-    """``/healthz``, ``/readyz`` and ``/metrics`` on ``server.metrics_port`` (unset: none),
-    the probes of a DaemonSet. ``/metrics`` is the tenant's pool's with one tenant (no
-    ``server.auth``); with several, only the host pool's health (their figures would share
-    names). Raises OSError when the port cannot be bound."""
+def _serve_pages(cfg: Config, server: HostServer) -> tuple[MetricsServer, QueryService] | None:
+    """``/healthz``, ``/readyz``, ``/metrics`` (the probes of a DaemonSet), ``/events`` and
+    the query API (host/events.py) on ``server.metrics_port`` (unset: none). ``/metrics`` is
+    the tenant's pool's with one tenant (no ``server.auth``); with several, only the host
+    pool's health and its events' figures (the pools' figures would share names). Raises
+    OSError when the port cannot be bound."""
     port = cfg.server.metrics_port
     if port is None:
         return None
+    from kvpool.events.attach import EventsCollector
+    from kvpool.host.events import host_query
     from kvpool.metrics.http import MetricsServer as Pages
-    from kvpool.server.health import health_pages
+    from kvpool.server.health import events_page, health_pages
     pools = server.tenants.pools()
     registry = pools[0].pool.metrics if len(pools) == 1 else CollectorRegistry()
+    registry.register(EventsCollector(server.events))
     handlers = health_pages(server.readiness, list, cfg.cluster.name)
-    return Pages(registry, cfg.server.host, port,
-                 {k: v for k, v in handlers.items() if k in ("/healthz", "/readyz")})
+    pages = {k: v for k, v in handlers.items() if k in ("/healthz", "/readyz")}
+    pages.update(events_page(server.events))
+    query = host_query(cfg, server.tenants, server.events)
+    try:
+        return Pages(registry, cfg.server.host, port, pages, query.handlers()), query
+    except BaseException:
+        query.close()
+        raise

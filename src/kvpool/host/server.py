@@ -15,8 +15,9 @@ closed; large frames past host.max_receive_bytes (over every connection) close t
 connection; out of descriptors, the accept thread backs off until one is freed.
 
 ``stop`` closes the listener, every connection and every tenant's pool (the
-write-behind queues drain to SSD); the socket file is removed. A host pool killed -9 leaves
-its socket file behind: the next start finds nobody answering on it and replaces it.
+write-behind queues drain to SSD), then the KV event publisher (host/events.py); the socket
+file is removed. A host pool killed -9 leaves its socket file behind: the next start finds
+nobody answering on it and replaces it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from pathlib import Path
 
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
+from kvpool.events.attach import bind_error
 from kvpool.host import wire
+from kvpool.host.events import start_host_events
 from kvpool.host.session import Session
 from kvpool.host.tenants import AttachRefused, Tenants, peer_allowed, tenant_for
 
@@ -78,8 +81,8 @@ def _hello_is_small(size: int) -> None:
 
 
 class HostServer:
-    """Listens on ``config.host.socket``. Raises HostStartError (socket taken, no DRAM),
-    OSError (cannot bind)."""
+    """Listens on ``config.host.socket``. Raises HostStartError (socket taken, no DRAM, an
+    events port that cannot be bound), OSError (cannot bind the socket)."""
 
     def __init__(self, config: Config) -> None:
         if not config.host.socket:
@@ -92,8 +95,18 @@ class HostServer:
             self.tenants = Tenants(config)
         except ValueError as exc:
             raise HostStartError(str(exc)) from None
+        try:  # KV events of every tenant's pool, through one publisher (docs/routing.md)
+            self.events = start_host_events(config, self.tenants)
+        except Exception as exc:  # zmq.ZMQError: a port taken, an address not ours
+            self.tenants.close()
+            raise HostStartError(bind_error(config.events, exc)) from None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(self.path))
+        try:
+            self.listener.bind(str(self.path))
+        except BaseException:
+            self.listener.close()
+            self._close_pools()
+            raise
         # Anyone may connect; SO_PEERCRED and the token decide who attaches.
         os.chmod(self.path, 0o666)
         self.listener.listen(128)
@@ -257,4 +270,11 @@ class HostServer:
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+        self._close_pools()
+
+    def _close_pools(self) -> None:
+        """Every tenant's pool (their last events queued), then the publisher (it sends
+        what is queued)."""
         self.tenants.close()
+        if self.events is not None:
+            self.events.close()

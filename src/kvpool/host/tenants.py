@@ -116,7 +116,8 @@ class Tenants:
         cfg = self._tenant_config(tenant)
         path = cfg.dram.shm_path
         assert path is not None
-        pool = KVPool(cfg, serve_metrics=False)
+        # the host pool publishes every tenant's events through one publisher (events.py)
+        pool = KVPool(cfg, serve_metrics=False, publish_events=False)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:

@@ -167,7 +167,7 @@ class StorageNode:
         """The node's KV event publisher (events.enabled unset or true), attached to its
         pool's tiers; None when off or pyzmq is missing. Raises NodeStartError naming the
         keys when a port cannot be bound."""
-        from kvpool.events.attach import EventsCollector, start_events
+        from kvpool.events.attach import EventsCollector, bind_error, start_events
         ev = config.events
         if ev.enabled is False:
             self.pool.metrics.register(EventsCollector(None))
@@ -178,8 +178,7 @@ class StorageNode:
         except Exception as exc:  # zmq.ZMQError: a port taken, an address not ours
             self.listener.close()
             self.pool.close()
-            raise NodeStartError(f"events.port={ev.port}, events.replay_port="
-                                 f"{ev.replay_port}: cannot publish KV events: {exc}") from None
+            raise NodeStartError(bind_error(ev, exc)) from None
 
     def _incarnation(self) -> str | None:
         return self.events.incarnation if self.events is not None else None

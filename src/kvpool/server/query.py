@@ -1,13 +1,15 @@
-"""The query API on a node's metrics port (docs/routing.md): ``POST /query`` (a prompt's
-token ids) and ``POST /query_by_hash`` (its chained chunk keys) answer how many leading
-tokens of the prompt each tier of this node holds, in the Mooncake conductor indexer's
-shape (tenant -> node -> figures). With ``"scope": "cluster"`` the node asks every node of
-its etcd membership in parallel; a node that is expected but not live, or that does not
-answer within ``query.timeout_s``, is reported ``"status": "dead"``, never as an error.
+"""The query API on a node's (and a host pool's) metrics port (docs/routing.md): ``POST
+/query`` (a prompt's token ids) and ``POST /query_by_hash`` (its chained chunk keys) answer
+how many leading tokens of the prompt each tier of this node holds, in the Mooncake
+conductor indexer's shape (tenant -> node -> figures). With ``"scope": "cluster"`` the node
+asks every node of its etcd membership in parallel; a node that is expected but not live,
+or that does not answer within ``query.timeout_s``, is reported ``"status": "dead"``, never
+as an error. A host pool answers from the pool of the request's tenant.
 
-Failure contract: a malformed body, an unknown or ambiguous namespace is a 400 with
-``{"error": ...}``; a closed pool is a 503. Probing costs in-memory index lookups only (no
-IO): the answer is what the tiers' indexes say now.
+Failure contract: a malformed body, an unknown or ambiguous namespace, an unknown tenant is
+a 400 with ``{"error": ...}``; a closed pool is a 503. Probing costs in-memory index lookups
+only (no IO): the answer is what the tiers' indexes say now; the one exception is a host
+pool's cluster tier (REMOTE), whose storage nodes are asked (a node fault: not held).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from kvpool.events.sink import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE
 from kvpool.keys import KEY_BYTES, Namespace, chunk_keys
 from kvpool.metrics.http import Page, RequestHandler
 from kvpool.pool import KVPool
-from kvpool.tiers.base import leading_run
+from kvpool.tiers.base import Tier, leading_run
+from kvpool.tiers.remote import RemoteTier
 
 #: Which medium each tier label is (metrics/catalogue.py TIERS).
 MEDIUM_OF = {"dram": MEDIUM_CPU, "ssd_staging": MEDIUM_DISK, "ssd": MEDIUM_DISK,
@@ -85,19 +88,34 @@ def _namespace(req: dict[str, Any], known: Sequence[Namespace]) -> tuple[bytes, 
     return found[0].id, found[0].chunk_tokens
 
 
-def parse(path: str, body: bytes, known: Sequence[Namespace]) -> Query:
-    """The query of a request body. Raises QueryError naming what is wrong."""
+def load_body(body: bytes) -> dict[str, Any]:
+    """The request's JSON object. Raises QueryError when it is not one."""
     try:
         req = json.loads(body or b"{}")
     except ValueError as exc:
         raise QueryError(f"body is not JSON: {exc}") from None
     if not isinstance(req, dict):
         raise QueryError("body must be a JSON object")
+    return req
+
+
+def tenant_of(req: dict[str, Any]) -> str:
+    """The request's ``tenant_id`` (``default`` when absent): the answer's top-level key."""
+    return str(req.get("tenant_id") or "default")
+
+
+def parse(path: str, body: bytes, known: Sequence[Namespace]) -> Query:
+    """The query of a request body. Raises QueryError naming what is wrong."""
+    return parse_request(path, load_body(body), known)
+
+
+def parse_request(path: str, req: dict[str, Any], known: Sequence[Namespace]) -> Query:
+    """The query of a decoded request body (``load_body``). Raises QueryError."""
     ns_id, block = _namespace(req, known)
     scope = req.get("scope", "local")
     if scope not in SCOPES:
         raise QueryError(f"scope must be one of {SCOPES}")
-    tenant = str(req.get("tenant_id") or "default")
+    tenant = tenant_of(req)
     if path == "/query":
         tokens = req.get("token_ids")
         if not isinstance(tokens, list) or len(tokens) > MAX_KEYS:
@@ -127,6 +145,19 @@ def parse(path: str, body: bytes, known: Sequence[Namespace]) -> Query:
 Filing = Callable[[bytes, Sequence[bytes]], list[bytes]]
 
 
+def _held(pool: KVPool, tier: Tier, keys: list[bytes], ns_id: bytes) -> list[bool]:
+    """Which of ``keys`` ``tier`` holds. The cluster tier (a host or embedded pool's storage
+    nodes) keeps no index here: the nodes are asked for the leading run (one request per
+    node, a node fault a miss), for a namespace the pool knows (else none held)."""
+    if not keys:
+        return []
+    if isinstance(tier, RemoteTier):
+        ns = next((n for n in pool.namespaces() if n.id == ns_id), None)
+        run = tier.lookup(ns, keys) if ns is not None else 0
+        return [i < run for i in range(len(keys))]
+    return tier.contains_many(keys, ns_id)
+
+
 def local_answer(pool: KVPool, query: Query, incarnation: str | None,
                  filing: Filing | None = None) -> dict[str, Any]:
     """This pool's figures for the query, in tokens: per medium the leading run of chunks its
@@ -136,7 +167,7 @@ def local_answer(pool: KVPool, query: Query, incarnation: str | None,
     by_medium: dict[str, list[bool]] = {}
     for tier in pool.tiers():
         medium = MEDIUM_OF.get(tier.label, tier.label.upper())
-        held = tier.contains_many(keys, ns_id) if keys else []
+        held = _held(pool, tier, keys, ns_id)
         prev = by_medium.get(medium)
         by_medium[medium] = held if prev is None else [a or b for a, b in zip(prev, held,
                                                                               strict=True)]
@@ -173,16 +204,26 @@ def _ask(node: NodeInfo, query: Query, timeout: float) -> dict[str, Any]:
         return {"longest_matched": 0, "status": "dead", "error": str(reason)}
 
 
-class QueryService:
-    """The handlers of a node's query API. ``members``: the live nodes (with their metrics
-    ports); ``expected``: ids of every node that should be there (etcd's expected set);
-    ``filing``: how the pool files chunk keys (None: as they are)."""
+#: Which pool answers for a request's ``tenant_id``; raises QueryError for a tenant it has
+#: not (a 400 naming it), PoolClosedError when stopping.
+PoolFor = Callable[[str], KVPool]
 
-    def __init__(self, pool: KVPool, node_id: str, incarnation: Callable[[], str | None],
-                 members: Callable[[], list[NodeInfo]],
+
+class QueryService:
+    """The handlers of a node's (or a host pool's) query API. ``pool``: the pool that
+    answers, or a PoolFor choosing it by the request's tenant (a host pool: one pool per
+    tenant); ``members``: the live nodes (with their metrics ports), None where there is no
+    cluster to fan out to (``scope: cluster`` is then a 400); ``expected``: ids of every node
+    that should be there (etcd's expected set); ``filing``: how the pool files chunk keys
+    (None: as they are)."""
+
+    def __init__(self, pool: KVPool | PoolFor, node_id: str,
+                 incarnation: Callable[[], str | None],
+                 members: Callable[[], list[NodeInfo]] | None,
                  expected: Callable[[], frozenset[str]], timeout_s: float,
                  filing: Filing | None = None) -> None:
-        self.pool, self.node_id, self._filing = pool, node_id, filing
+        self._pool_for: PoolFor = (lambda _tenant: pool) if isinstance(pool, KVPool) else pool
+        self.node_id, self._filing = node_id, filing
         self._incarnation, self._members, self._expected = incarnation, members, expected
         self._timeout = timeout_s
         self._threads = ThreadPoolExecutor(8, thread_name_prefix="kvpool-query")
@@ -195,23 +236,29 @@ class QueryService:
         if method != "POST":
             return _json(400, {"error": f"POST a JSON body to {path} (docs/routing.md)"})
         try:
-            query = parse(path, body, self.pool.namespaces())
-            nodes = self.cluster(query) if query.scope == "cluster" else \
-                {self.node_id: local_answer(self.pool, query, self._incarnation(), self._filing)}
+            req = load_body(body)
+            pool = self._pool_for(tenant_of(req))
+            query = parse_request(path, req, pool.namespaces())
+            nodes = self.cluster(pool, query) if query.scope == "cluster" else \
+                {self.node_id: local_answer(pool, query, self._incarnation(), self._filing)}
         except QueryError as exc:
             return _json(400, {"error": str(exc)})
         except PoolClosedError:
             return _json(503, {"error": "pool closed (node stopping)"})
         return _json(200, {query.tenant: nodes})
 
-    def cluster(self, query: Query) -> dict[str, dict[str, Any]]:
-        """Every node's answer: this one's locally, the others' over HTTP in parallel."""
+    def cluster(self, pool: KVPool, query: Query) -> dict[str, dict[str, Any]]:
+        """Every node's answer: this one's locally, the others' over HTTP in parallel.
+        Raises QueryError where there is no cluster membership (a host pool)."""
+        if self._members is None:
+            raise QueryError("scope cluster: this pool follows no cluster membership; ask a "
+                             "storage node (its REMOTE figure is what the cluster holds)")
         members = {n.node_id: n for n in self._members()}
         out: dict[str, dict[str, Any]] = {}
         asks = {node_id: self._threads.submit(_ask, node, query, self._timeout)
                 for node_id, node in members.items()
                 if node_id != self.node_id and node.metrics_port is not None}
-        out[self.node_id] = local_answer(self.pool, query, self._incarnation(), self._filing)
+        out[self.node_id] = local_answer(pool, query, self._incarnation(), self._filing)
         for node_id, node in members.items():
             if node_id != self.node_id and node.metrics_port is None:
                 out[node_id] = {"longest_matched": 0, "status": "dead",
