@@ -78,3 +78,31 @@ def test_a_full_queue_drops_events_and_the_gap_resets_consumers(tmp_path: Path) 
     finally:
         pub.close()
         consumer.close()
+
+
+def test_endpoints_name_the_advertised_host_when_bound_on_a_wildcard() -> None:
+    """A publisher bound on 0.0.0.0 names the advertised host in its endpoints (what GET
+    /events answers: no consumer can dial 0.0.0.0), and a consumer dialling them receives
+    its batches; bound on a specific address it names that address."""
+    wild = EventPublisher(PublisherSettings(host="0.0.0.0", advertise="127.0.0.1",
+                                            batch_interval_s=0.02), "node-w")
+    plain = EventPublisher(PublisherSettings(host="127.0.0.1", advertise="elsewhere"), "node-p")
+    consumer = EventConsumer([(wild.endpoint, wild.replay_endpoint)])
+    try:
+        assert wild.info()["endpoint"] == f"tcp://127.0.0.1:{wild.port}"
+        assert wild.replay_endpoint == f"tcp://127.0.0.1:{wild.replay_port}"
+        assert plain.endpoint == f"tcp://127.0.0.1:{plain.port}"
+        ns = byte_namespace(CHUNK)
+        keys = ns.chunk_keys(list(range(2)))
+        sink = wild.sink(MEDIUM_CPU)
+
+        def received() -> bool:
+            sink.stored(keys, ns)  # again until the subscription is up (PUB drops before)
+            consumer.poll(0.05)
+            return consumer.held("node-w", MEDIUM_CPU, ns.id) == set(keys)
+
+        wait_for(received, 30, "a batch received through the advertised endpoint")
+    finally:
+        consumer.close()
+        wild.close()
+        plain.close()

@@ -382,7 +382,7 @@ class EventsConfig(_Section):
     over ZMQ PUB, a replay socket; docs/routing.md)."""
 
     enabled: bool | None = Field(None, description="Publish KV events. Unset: on for kvpool serve (a storage node) and kvpool host (a host pool: one publisher for every tenant's pool, each event naming its tenant when server.auth lists several), off for an embedded pool; true turns them on for an embedded pool too, false off everywhere. Needs pyzmq and msgspec (kvpool[server]); without them the node logs one warning and publishes nothing.")
-    host: str | None = Field(None, description="Address the PUB and replay sockets bind. Unset: server.host on a node and a host pool, metrics.host in an embedded pool.")
+    host: str | None = Field(None, description="Address the PUB and replay sockets bind. Unset: server.host on a node and a host pool, metrics.host in an embedded pool. Where it is a wildcard (0.0.0.0, ::), GET /events names server.advertise_host in the endpoints instead (a consumer cannot dial 0.0.0.0).")
     port: int = Field(0, ge=0, le=65535, description="PUB socket port (0 = any free port; GET /events on a node's or host pool's metrics port answers the endpoints).")
     replay_port: int = Field(0, ge=0, le=65535, description="Replay (ZMQ ROUTER) socket port: a consumer that missed batches asks for them from a sequence number (0 = any free port).")
     topic: str = Field("kvpool", description="Topic frame of every event message.")

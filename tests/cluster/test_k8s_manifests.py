@@ -140,7 +140,8 @@ def test_probes_ports_grace_and_memory_follow_the_config(path: str) -> None:
         cfg = config_of(objs, pod)
         loaded = load_config(overrides=cfg, environ={})  # every key is kvpool's
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        wanted = {"metrics": cfg["server"]["metrics_port"]}
+        wanted = {"metrics": cfg["server"]["metrics_port"], "events": cfg["events"]["port"],
+                  "events-replay": cfg["events"]["replay_port"]}
         if work["kind"] == "StatefulSet":
             wanted["kvpool"] = cfg["server"]["port"]
         assert ports == wanted
@@ -262,6 +263,7 @@ def make_pod(objs: list[dict[str, Any]], work: dict[str, Any], name: str,
     if "kvpool" in ports:
         cfg["server"]["port"] = ports["kvpool"]
     cfg["server"]["metrics_port"] = ports["metrics"]
+    cfg["events"].update(port=ports["events"], replay_port=ports["events-replay"])
     conf_dir = mounts["/etc/kvpool"]
     (conf_dir / "kvpool.yaml").write_text(yaml.safe_dump(local_config(cfg, mounts)))
     env = resolve_env(objs, container, fields, etcd)
@@ -302,7 +304,8 @@ def pods(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[list[Pod]]:
     made = [make_pod(objs, sts, f"kvpool-{i}", {"metadata.name": f"kvpool-{i}",
                                               "metadata.namespace": ns},
                      etcd_server.endpoint, tmp_path / f"kvpool-{i}") for i in range(2)]
-    made.append(make_pod(objs, ds, "host-a", {}, etcd_server.endpoint, tmp_path / "host-a"))
+    made.append(make_pod(objs, ds, "host-a", {"status.podIP": "10.0.0.7"}, etcd_server.endpoint,
+                         tmp_path / "host-a"))
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     for pod in made:
         with open(pod.log, "wb") as log:
@@ -327,6 +330,11 @@ def test_rendered_pods_form_a_cluster_that_serves_a_client(pods: list[Pod],
     for pod in pods:
         wait_for(lambda p=pod: ready(p), 120, f"{pod.name}'s /readyz")
         assert http_status(pod.url("metrics", pod.probes["livenessProbe"])) == 200
+        # bound on 0.0.0.0, GET /events names the address the pod advertises
+        with urllib.request.urlopen(pod.url("metrics", "/events"), timeout=5) as resp:
+            events = json.loads(resp.read())
+        assert events["endpoint"] == f"tcp://127.0.0.1:{pod.ports['events']}"
+        assert events["replay_endpoint"] == f"tcp://127.0.0.1:{pod.ports['events-replay']}"
     watcher = EtcdMembership([etcd_server.endpoint], "default")
     wait_for(lambda: {n.node_id for n in watcher.live_nodes()} == {"kvpool-0", "kvpool-1"},
              15, "two registered storage nodes")

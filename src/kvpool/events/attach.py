@@ -23,14 +23,15 @@ log = logging.getLogger(__name__)
 
 
 def start_events(pool: KVPool, node: str | None, host: str,
-                 key_scope: str = "") -> EventPublisher | None:
+                 key_scope: str = "", advertise: str | None = None) -> EventPublisher | None:
     """Start a publisher for ``pool`` (settings from its config's ``events`` section) and
     attach it to the pool's DRAM and SSD tiers; its metrics join ``pool.metrics``. ``node``:
     who holds the chunks (None: this host's name); ``key_scope``: how the tiers' keys relate
-    to chunk keys (``KVEventBatch.key_scope``: a storage node's are "namespace"). Returns
-    None, with one warning, when pyzmq or msgspec is not installed. Raises zmq.ZMQError
-    when a port cannot be bound."""
-    publisher = open_publisher(pool.config.events, node, host, key_scope)
+    to chunk keys (``KVEventBatch.key_scope``: a storage node's are "namespace");
+    ``advertise``: the host ``/events`` names when ``host`` is a wildcard. Returns None,
+    with one warning, when pyzmq or msgspec is not installed. Raises zmq.ZMQError when a
+    port cannot be bound."""
+    publisher = open_publisher(pool.config.events, node, host, key_scope, advertise)
     if publisher is not None:
         attach(pool, publisher)
     pool.metrics.register(EventsCollector(publisher))
@@ -38,7 +39,7 @@ def start_events(pool: KVPool, node: str | None, host: str,
 
 
 def open_publisher(cfg: EventsConfig, node: str | None, host: str,
-                   key_scope: str = "") -> EventPublisher | None:
+                   key_scope: str = "", advertise: str | None = None) -> EventPublisher | None:
     """A publisher with ``cfg``'s settings bound on ``host``, attached to nothing yet (one
     publisher may serve several pools: a host pool's tenants). None, with one warning,
     when pyzmq or msgspec is not installed. Raises zmq.ZMQError when a port cannot be
@@ -51,7 +52,7 @@ def open_publisher(cfg: EventsConfig, node: str | None, host: str,
         return None
     settings = PublisherSettings(host, cfg.port, cfg.replay_port, cfg.topic, cfg.queue_events,
                                  cfg.replay_batches, cfg.batch_interval_s,
-                                 key_scope=key_scope)
+                                 key_scope=key_scope, advertise=advertise)
     return EventPublisher(settings, node or socket.gethostname())
 
 

@@ -53,6 +53,20 @@ class PublisherSettings:
     hwm: int = 100_000
     #: KVEventBatch.key_scope: "" (chunk keys) or "namespace" (a node's filed keys)
     key_scope: str = ""
+    #: The host consumers should dial, named in the endpoints (``/events``) when ``host`` is
+    #: a wildcard (0.0.0.0, ::): a node's server.advertise_host. None: ``host`` itself.
+    advertise: str | None = None
+
+
+WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
+
+
+def dial_host(settings: PublisherSettings) -> str:
+    """The host the endpoints name: ``advertise`` where the sockets are bound on a wildcard
+    address (which no consumer can dial), else the bound host."""
+    if settings.host in WILDCARDS and settings.advertise:
+        return settings.advertise
+    return settings.host
 
 
 def new_incarnation() -> str:
@@ -119,7 +133,8 @@ class EventPublisher:
             self._pub.close(0)
             self._replay.close(0)
             raise
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        dial = dial_host(settings)
+        host = f"[{dial}]" if ":" in dial else dial
         self.endpoint = f"tcp://{host}:{self.port}"
         self.replay_endpoint = f"tcp://{host}:{self.replay_port}"
         self._running = True

@@ -39,7 +39,8 @@ def start_host_events(config: Config, tenants: Tenants) -> EventPublisher | None
     ev = config.events
     if ev.enabled is False:
         return None
-    publisher = open_publisher(ev, host_name(config), ev.host or config.server.host)
+    publisher = open_publisher(ev, host_name(config), ev.host or config.server.host,
+                               advertise=config.server.advertise_host)
     if publisher is not None:
         for tenant in tenants.pools():
             attach(tenant.pool, publisher, None if tenant.name == SHARED_TENANT else tenant.name)

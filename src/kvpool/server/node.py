@@ -174,7 +174,8 @@ class StorageNode:
             return None
         try:
             return start_events(self.pool, ev.node_id or self.node_id,
-                                ev.host or config.server.host, key_scope="namespace")
+                                ev.host or config.server.host, key_scope="namespace",
+                                advertise=config.server.advertise_host)
         except Exception as exc:  # zmq.ZMQError: a port taken, an address not ours
             self.listener.close()
             self.pool.close()
