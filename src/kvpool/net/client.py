@@ -493,9 +493,9 @@ def _get_job(ns: Namespace, keys: list[bytes], views: list[memoryview], touch: l
              batch_bytes: int) -> Callable[[NodeConnection], list[bool]]:
     """The first batch carries the node's touch keys."""
     if len(keys) * ns.chunk_bytes <= batch_bytes or len(keys) == 1:  # one request
-        return lambda c: c.get_into(ns, keys, views, touch)
+        return lambda c: c.get_views(ns, keys, views, touch)
     return lambda c: [hit for j, b in enumerate(_batches(ns, len(keys), batch_bytes))
-                      for hit in c.get_into(ns, keys[b], views[b], touch if j == 0 else ())]
+                      for hit in c.get_views(ns, keys[b], views[b], touch if j == 0 else ())]
 
 
 def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any],
