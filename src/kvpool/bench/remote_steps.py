@@ -11,9 +11,10 @@
   alternating with the raw-socket reference of ``kvpool bench remote``, p50 of each; then the
   client's steps, timed one by one on the same connection.
 
-The steps repeat the code path of this version (store.get, NodeConnection.get_into); when
-that path changes, so must they. Figures on a loaded machine are inflated, Python more than
-the kernel: compare rows of one run, not runs. Raises RuntimeError if a server cannot start.
+The steps repeat the code path of this version (store.get, NodeConnection.get_views and
+_get_answer); when that path changes, so must they. Figures on a loaded machine are
+inflated, Python more than the kernel: compare rows of one run, not runs. Raises
+RuntimeError if a server cannot start.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kvpool.config import ClusterConfig, config_from_dict
 from kvpool.keys import canonical_json
 from kvpool.metrics.recorder import LabeledLatency
 from kvpool.net.client import ClusterClient
+from kvpool.net.connection import ERROR_ROOM
 from kvpool.net.protocol import (
     HEADER,
     HEADER_BYTES,
@@ -47,7 +49,6 @@ from kvpool.net.protocol import (
     PROTOCOL_VERSION,
     RESPONSE_BIT,
     Op,
-    parse_flags,
     split_get_keys,
     unpack_header,
 )
@@ -183,7 +184,7 @@ def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
         view = byte_view(out, writable=True)
         steps: dict[str, list[int]] = {name: [] for name in (
             "views and size checks", "live nodes and key checks", "connection pool take",
-            "frame", "sendmsg", "wait for the answer (node, loopback, wake-ups)",
+            "frame", "send", "wait for the answer (node, loopback, wake-ups)",
             "parse header and flags, copy out", "give back and counters")}
         stamps = [0] * 9
         kv_lat: list[int] = []
@@ -206,17 +207,18 @@ def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
             meta = ns.id + b"".join(keys)
             frame = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, Op.GET, conn._req_id, 1,
                                 len(meta), 0)
-            bufs = [memoryview(frame + meta)]
+            buf = memoryview(frame + meta)
             stamps[4] = now()
-            conn.sock.sendmsg(bufs)
+            conn.sock.send(buf)
             stamps[5] = now()
-            have = conn.sock.recv_into(conn._inbox)
+            inbox = conn._inbox
+            have = conn.sock.recv_into(inbox[:HEADER_BYTES + ERROR_ROOM + 1])
             stamps[6] = now()
             while have < HEADER_BYTES + 1 + SIZE:
-                have += conn.sock.recv_into(conn._inbox[have:])
-            inbox = conn._inbox
-            unpack_header(inbox[:HEADER_BYTES])
-            parse_flags(bytes(inbox[HEADER_BYTES:HEADER_BYTES + 1]), 1)
+                have += conn.sock.recv_into(inbox[have:HEADER_BYTES + 1 + SIZE])
+            head = HEADER.unpack_from(inbox)
+            if head[3] != Op.GET | RESPONSE_BIT or inbox[HEADER_BYTES] != 1:
+                raise RuntimeError("not a hit")
             views[0][:] = inbox[HEADER_BYTES + 1:HEADER_BYTES + 1 + SIZE]
             stamps[7] = now()
             pool.give_back(conn)

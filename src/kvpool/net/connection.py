@@ -144,6 +144,14 @@ class NodeConnection:
         return TimeoutError(f"node {self.address} moved nothing for {self._timeout} s")
 
     def _send(self, buffers: list[memoryview]) -> None:
+        if len(buffers) == 1:  # a request without payload: usually one send
+            try:
+                sent = self.sock.send(buffers[0])
+            except BlockingIOError:
+                raise self._timed_out() from None
+            if sent == buffers[0].nbytes:
+                return
+            buffers = [buffers[0][sent:]]
         bufs = [b for b in buffers if b.nbytes]
         while bufs:
             try:
@@ -358,9 +366,11 @@ class NodeConnection:
         if n < flags_end:
             self._recv_all([box[n:flags_end]])
             n = flags_end
-        found = parse_flags(bytes(box[HEADER_BYTES:flags_end]), count)
-        hits = [i for i, hit in enumerate(found) if hit] if count > 1 else \
-            [0] if found[0] else []
+        if count == 1 and box[HEADER_BYTES] <= 1:  # one key: no list of flags to parse
+            found, hits = ([True], [0]) if box[HEADER_BYTES] else ([False], [])
+        else:
+            found = parse_flags(bytes(box[HEADER_BYTES:flags_end]), count)
+            hits = [i for i, hit in enumerate(found) if hit]
         if payload_len != len(hits) * chunk:
             raise ProtocolError(f"malformed GET answer from {self.address}")
         got = n - flags_end  # payload bytes received so far
@@ -374,7 +384,8 @@ class NodeConnection:
                 off = got
             rest.append(views[hits[j]][off:])
             rest.extend(views[i] for i in hits[j + 1:])
-        self._recv_all(rest)
+        if rest:
+            self._recv_all(rest)
         at, end = flags_end, flags_end + in_box
         for i in hits:
             if at >= end:
