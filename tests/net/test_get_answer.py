@@ -9,34 +9,27 @@ from __future__ import annotations
 
 import itertools
 import random
-import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from kvtest import byte_namespace
-from tests_support import recv_exact
+from tests_support import Script, ScriptedPeer
 
 from kvpool.config import ClusterConfig
 from kvpool.net.client import ClusterClient
 from kvpool.net.connection import INBOX_BYTES, SPECULATE_BYTES, NodeConnection
 from kvpool.net.protocol import (
-    FEATURES,
     HEADER_BYTES,
     RESPONSE_BIT,
     Header,
-    Op,
     ProtocolError,
     RemoteError,
     Status,
-    unpack_header,
 )
 
 CHUNK = 256 << 10  # one chunk's answer is larger than the client's inbox
 NS = byte_namespace(CHUNK, salt="get-answer")
-#: A GET's header -> the pieces to send; a last piece b"" closes the connection after them.
-Script = Callable[[Header], list[bytes]]
 assert HEADER_BYTES + 1 + CHUNK > INBOX_BYTES and CHUNK > SPECULATE_BYTES
 
 
@@ -44,49 +37,9 @@ def chunk(n: int) -> bytes:
     return bytes([n]) * (CHUNK // 2) + bytes([n + 100]) * (CHUNK // 2)
 
 
-class Peer:
-    """A listening socket whose connections answer NAMESPACE with NS's id and each GET
-    with the next queued script, piece by piece."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.scripts: list[Script] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        with sock:
-            while True:
-                try:
-                    req = unpack_header(recv_exact(sock, HEADER_BYTES))
-                    recv_exact(sock, req.meta_len)
-                except (ConnectionError, OSError):
-                    return
-                if req.op == Op.NAMESPACE:
-                    sock.sendall(Header(req.op | RESPONSE_BIT, req.req_id, int(FEATURES),
-                                        len(NS.id), 0).pack() + NS.id)
-                    continue
-                pieces = self.scripts.pop(0)(req)
-                for piece in pieces:
-                    if not piece:
-                        return  # closes
-                    sock.sendall(piece)
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 @pytest.fixture
-def peer() -> Iterator[Peer]:
-    p = Peer()
+def peer() -> Iterator[ScriptedPeer]:
+    p = ScriptedPeer(NS.id)
     yield p
     p.close()
 
@@ -110,7 +63,7 @@ def keys(n: int) -> list[bytes]:
                                    b"\x01\x00\x01", b"\x00\x00\x00"])
 @pytest.mark.parametrize("sliced", ["whole", "header in pieces", "at the inbox's edge",
                                     "byte by byte head"])
-def test_hits_land_in_their_own_buffers(peer: Peer, flags: bytes, sliced: str) -> None:
+def test_hits_land_in_their_own_buffers(peer: ScriptedPeer, flags: bytes, sliced: str) -> None:
     """Every flag pattern (a first key that missed makes the first hit's bytes land in a
     missed key's buffer first), however the answer arrives."""
     hits = [i for i, f in enumerate(flags) if f]
@@ -159,7 +112,7 @@ BAD = bad_answers()
 
 
 @pytest.mark.parametrize("answer", list(BAD))
-def test_a_bad_answer_raises_and_is_a_miss_for_the_cluster_client(peer: Peer,
+def test_a_bad_answer_raises_and_is_a_miss_for_the_cluster_client(peer: ScriptedPeer,
                                                                   answer: str) -> None:
     """Closed connection, oversized, lying or malformed: NodeConnection raises (RemoteError
     only for a well-formed error answer); the ClusterClient reports a miss."""
@@ -180,7 +133,7 @@ def test_a_bad_answer_raises_and_is_a_miss_for_the_cluster_client(peer: Peer,
         client.close()
 
 
-def test_a_short_answer_then_silence_times_out(peer: Peer) -> None:
+def test_a_short_answer_then_silence_times_out(peer: ScriptedPeer) -> None:
     """Part of the payload, then nothing: TimeoutError after request_timeout, no hit."""
     peer.scripts.append(lambda req: [frame(req, b"\x01", chunk(3))[:CHUNK // 3]])
     conn = NodeConnection(peer.address, request_timeout=0.5)
@@ -189,7 +142,7 @@ def test_a_short_answer_then_silence_times_out(peer: Peer) -> None:
     conn.close()
 
 
-def test_random_cuts_and_flips_never_report_a_wrong_hit(peer: Peer) -> None:
+def test_random_cuts_and_flips_never_report_a_wrong_hit(peer: ScriptedPeer) -> None:
     """Seeded: valid answers of 1-3 keys cut short (then closed), with a bit of the header
     or the flags flipped, or with bytes appended; each either raises or returns flags whose
     hits hold exactly their chunks."""
