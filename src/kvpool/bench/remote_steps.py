@@ -1,10 +1,11 @@
 """Where a 4 KiB remote GET's time goes, step by step (docs/cluster.md's table).
 
-``python -m kvpool.bench.remote_steps [--calls N]`` prints two tables:
+``python -m kvpool.bench.remote_steps [--calls N] [--node-size BYTES]`` prints two tables:
 
 * **node**: a real ``NodeStore`` and ``Connection`` in this process, fed GET frames over a
   loopback TCP pair; each step of ``Connection.handle`` for a GET is run as the code runs it
-  and timed on its own (``perf_counter_ns``), medians over ``--calls`` requests; beside them
+  and timed on its own (``perf_counter_ns``), medians over ``--calls`` requests of one
+  ``--node-size`` chunk (default 4 KiB; the client's steps are of 4 KiB); beside them
   ``handle()`` whole, timed the same way, and the thread CPU time per request (which waiting
   for a core on a loaded machine does not inflate);
 * **client**: ``ClusterClient.get_many_into`` against a ``kvpool serve`` process, calls
@@ -65,10 +66,12 @@ def _median_us(values: list[int]) -> float:
     return statistics.median(values) / 1e3
 
 
-def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
-    """(median µs per step, median µs of handle() whole, thread CPU µs per request)."""
+def node_steps(calls: int, size: int = SIZE) -> tuple[dict[str, float], float, float]:
+    """(median µs per step, median µs of handle() whole, thread CPU µs per request) of GETs
+    of one ``size``-byte chunk."""
     cfg = config_from_dict({"cache_dir": tempfile.mkdtemp(prefix="kvpool-steps-"),
-                            "dram": {"capacity": 64 << 20, "slab_size": 4 << 20},
+                            "dram": {"capacity": max(64 << 20, 2 * len(KEYS) * size),
+                                     "slab_size": max(4 << 20, size)},
                             "ssd": {"enabled": False}, "metrics": {"enabled": True}})
     pool = KVPool(cfg, remote=False, serve_metrics=False, publish_events=False)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -81,14 +84,14 @@ def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
         traffic = Traffic(LabeledLatency())
         conn = Connection(store, traffic, server)
         session = conn.session
-        ns = namespace_for(SIZE)
+        ns = namespace_for(size)
         store.declare(session, canonical_json(ns.canonical()))
-        batch = store.begin_put(session, ns.id, KEYS, len(KEYS) * SIZE)
+        batch = store.begin_put(session, ns.id, KEYS, len(KEYS) * size)
         for target in batch.targets:
             assert target is not None
-            target[:] = bytes(SIZE)
+            target[:] = bytes(size)
         store.commit_put(batch)
-        inbox = memoryview(bytearray(1 << 16))
+        inbox = memoryview(bytearray(HEADER_BYTES + 1 + size))  # one whole answer
         frames = [HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, Op.GET, i, 1, 32, 0) + ns.id + k
                   for i, k in enumerate(KEYS)]
 
@@ -100,7 +103,7 @@ def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
             conn.handle(req)
             traffic.end()
             took = now() - t0
-            client.recv_into(inbox)
+            _drain(client, inbox)
             return took
 
         steps: dict[str, list[int]] = {name: [] for name in (
@@ -145,7 +148,7 @@ def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
             assert traffic.latency is not None
             traffic.latency.record("get", 1e-5)
             stamps[11] = now()
-            client.recv_into(inbox)
+            _drain(client, inbox)
             for j, values in enumerate(steps.values()):
                 values.append(stamps[j + 1] - stamps[j])
 
@@ -252,6 +255,13 @@ def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
         node.close()
 
 
+def _drain(sock: socket.socket, answer: memoryview) -> None:
+    """Receive one whole GET answer (``answer`` is its size)."""
+    got = 0
+    while got < answer.nbytes:
+        got += sock.recv_into(answer[got:])
+
+
 def _run(fn: Callable[[int], None], calls: int) -> None:
     for i in range(calls):
         fn(i)
@@ -267,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remote_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=5000, help="requests per measurement")
+    parser.add_argument("--node-size", type=int, default=SIZE,
+                        help="chunk bytes of the node's GETs (the client's are 4 KiB)")
     args = parser.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f}, {args.calls} calls")
-    steps, whole, cpu = node_steps(args.calls)
+    steps, whole, cpu = node_steps(args.calls, args.node_size)
     print(f"node, in process: handle() p50 {whole:.1f} µs; thread CPU per request "
           f"(with the client side's send and receive) {cpu:.1f} µs")
     _print_steps(steps)
