@@ -74,7 +74,10 @@ class ScriptedPeer:
                 for piece in self.scripts.pop(0)(req):
                     if not piece:
                         return  # closes
-                    sock.sendall(piece)
+                    try:
+                        sock.sendall(piece)
+                    except OSError:  # the client gave up on a bad answer and closed
+                        return
 
     def close(self) -> None:
         self.listener.close()

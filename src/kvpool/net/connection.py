@@ -1,14 +1,16 @@
 """A blocking connection to one storage node, and a small pool of them per node.
 
-GET answers are received with ``recv_into`` straight into the caller's buffers; PUT payloads
-are sent from the caller's buffers with scatter-gather ``sendmsg``: no staging copies.
+GET answers are received straight into the caller's buffers (a small one whole into the
+connection's inbox, then copied out); PUT payloads are sent from the caller's buffers with
+scatter-gather ``sendmsg``: no staging copies.
 
 The socket is blocking, its timeouts the kernel's (SO_RCVTIMEO / SO_SNDTIMEO, set to
 ``request_timeout``), not Python's: a Python socket timeout polls before every ``recv``, and
 under several client threads each extra syscall is one more release and re-acquisition of the
-GIL. Every receive asks for all it expects at once (MSG_WAITALL), so a 2 MiB chunk is one
-syscall however the kernel slices it, and a GET whose every key hit takes its flags and all its
-payload in one scatter ``recvmsg_into`` straight into the caller's buffers.
+GIL. A GET answer's first receive is one scatter ``recvmsg_into`` of what has arrived (header,
+flags, the start of the payload, on into the first key's buffer); the rest is asked for at
+once (MSG_WAITALL) in one scatter receive into the hits' buffers, so a 2 MiB chunk is at most
+two syscalls however the kernel slices it (``_get_answer``).
 
 Failure contract: socket errors, timeouts and bytes that are not a valid answer raise
 (OSError / TimeoutError / ProtocolError) and leave the connection unusable — the pool closes
