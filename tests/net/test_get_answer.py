@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from kvtest import byte_namespace
+from node_process import NodeProcess
 from tests_support import Script, ScriptedPeer
 
 from kvpool.config import ClusterConfig
@@ -181,3 +182,28 @@ def test_random_cuts_and_flips_never_report_a_wrong_hit(peer: ScriptedPeer) -> N
         finally:
             conn.close()
         peer.scripts.clear()
+
+
+def test_a_real_node_answers_mixed_hits_of_large_chunks_into_the_right_buffers(
+        node: NodeProcess) -> None:
+    """Against ``kvpool serve``: a GET of 256 KiB chunks whose first key (and another) the
+    node lacks lands each hit in its own buffer (the first hit's bytes come in through the
+    first key's buffer), then an all-hit GET and an all-miss GET on the same connection."""
+    client = ClusterClient(ClusterConfig(nodes=[node.address], request_timeout_s=10.0))
+    try:
+        client.register_namespace(NS)
+        held = keys(5)[1::2]  # keys 1 and 3 of 0..4
+        data = {k: chunk(20 + i) for i, k in enumerate(held)}
+        assert client.put_many([(k, NS, np.frombuffer(data[k], np.uint8)) for k in held]) == 2
+        asked = keys(5)[:4]
+        bufs = outs(4)
+        assert client.get_many_into(NS, asked, bufs) == [False, True, False, True]
+        assert bufs[1].tobytes() == data[asked[1]] and bufs[3].tobytes() == data[asked[3]]
+        bufs = outs(2)
+        assert client.get_many_into(NS, held, bufs) == [True, True]
+        assert [b.tobytes() for b in bufs] == [data[k] for k in held]
+        assert client.get_many_into(NS, [bytes(16)], outs(1)) == [False]
+        stats = client.stats()
+        assert stats.get("node_failures", 0) == 0 and stats["down_nodes"] == []
+    finally:
+        client.close()
