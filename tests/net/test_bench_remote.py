@@ -90,9 +90,10 @@ def test_remote_steps_time_every_step_of_a_4k_get_on_both_sides() -> None:
     every step is timed. No timing assertions beyond "it was measured"."""
     from kvpool.bench import remote_steps
 
-    steps, whole, cpu = remote_steps.node_steps(50)
-    assert len(steps) == 11 and all(_positive(us) for us in steps.values())
-    assert _positive(whole) and _positive(cpu)
+    for size in (4096, 256 << 10):  # --node-size: an answer larger than one receive
+        steps, whole, cpu = remote_steps.node_steps(50, size)
+        assert len(steps) == 11 and all(_positive(us) for us in steps.values())
+        assert _positive(whole) and _positive(cpu)
     csteps, kv_p50, raw_p50 = remote_steps.client_steps(50)
     assert len(csteps) == 8 and all(_positive(us) for us in csteps.values())
     assert _positive(kv_p50) and _positive(raw_p50)

@@ -5,14 +5,12 @@ ProtocolError or the node's error, never writes into the caller's buffers."""
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 from kvtest import byte_namespace
-from tests_support import recv_exact
+from tests_support import ScriptedPeer
 
 from kvpool.net.connection import INBOX_BYTES, NodeConnection
 from kvpool.net.protocol import (
@@ -22,7 +20,6 @@ from kvpool.net.protocol import (
     ProtocolError,
     RemoteError,
     Status,
-    unpack_header,
 )
 
 CHUNK = 4096
@@ -32,26 +29,10 @@ Answer = Callable[[Header], list[bytes]]  # the request's header -> the pieces t
 
 @pytest.fixture
 def peer() -> Iterator[tuple[str, list[Answer]]]:
-    """A listening socket whose one connection answers GETs with the queued scripts."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    scripts: list[Answer] = []
-
-    def serve() -> None:
-        sock, _ = listener.accept()
-        with sock:
-            while True:
-                try:
-                    req = unpack_header(recv_exact(sock, HEADER_BYTES))
-                    recv_exact(sock, req.meta_len)
-                except (ConnectionError, OSError):
-                    return
-                for piece in scripts.pop(0)(req):
-                    sock.sendall(piece)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{listener.getsockname()[1]}", scripts
-    listener.close()
+    """A scripted peer (tests_support.ScriptedPeer) answering GETs with the queued scripts."""
+    p = ScriptedPeer(NS.id)
+    yield p.address, p.scripts
+    p.close()
 
 
 def frame(req: Header, flags: bytes, payload: bytes, status: Status = Status.OK,

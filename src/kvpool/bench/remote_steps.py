@@ -1,19 +1,21 @@
 """Where a 4 KiB remote GET's time goes, step by step (docs/cluster.md's table).
 
-``python -m kvpool.bench.remote_steps [--calls N]`` prints two tables:
+``python -m kvpool.bench.remote_steps [--calls N] [--node-size BYTES]`` prints two tables:
 
 * **node**: a real ``NodeStore`` and ``Connection`` in this process, fed GET frames over a
   loopback TCP pair; each step of ``Connection.handle`` for a GET is run as the code runs it
-  and timed on its own (``perf_counter_ns``), medians over ``--calls`` requests; beside them
+  and timed on its own (``perf_counter_ns``), medians over ``--calls`` requests of one
+  ``--node-size`` chunk (default 4 KiB; the client's steps are of 4 KiB); beside them
   ``handle()`` whole, timed the same way, and the thread CPU time per request (which waiting
   for a core on a loaded machine does not inflate);
 * **client**: ``ClusterClient.get_many_into`` against a ``kvpool serve`` process, calls
   alternating with the raw-socket reference of ``kvpool bench remote``, p50 of each; then the
   client's steps, timed one by one on the same connection.
 
-The steps repeat the code path of this version (store.get, NodeConnection.get_into); when
-that path changes, so must they. Figures on a loaded machine are inflated, Python more than
-the kernel: compare rows of one run, not runs. Raises RuntimeError if a server cannot start.
+The steps repeat the code path of this version (store.get, NodeConnection.get_views and
+_get_answer); when that path changes, so must they. Figures on a loaded machine are
+inflated, Python more than the kernel: compare rows of one run, not runs. Raises
+RuntimeError if a server cannot start.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from kvpool.config import ClusterConfig, config_from_dict
 from kvpool.keys import canonical_json
 from kvpool.metrics.recorder import LabeledLatency
 from kvpool.net.client import ClusterClient
+from kvpool.net.connection import ERROR_ROOM
 from kvpool.net.protocol import (
     HEADER,
     HEADER_BYTES,
@@ -47,7 +50,6 @@ from kvpool.net.protocol import (
     PROTOCOL_VERSION,
     RESPONSE_BIT,
     Op,
-    parse_flags,
     split_get_keys,
     unpack_header,
 )
@@ -64,10 +66,12 @@ def _median_us(values: list[int]) -> float:
     return statistics.median(values) / 1e3
 
 
-def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
-    """(median µs per step, median µs of handle() whole, thread CPU µs per request)."""
+def node_steps(calls: int, size: int = SIZE) -> tuple[dict[str, float], float, float]:
+    """(median µs per step, median µs of handle() whole, thread CPU µs per request) of GETs
+    of one ``size``-byte chunk."""
     cfg = config_from_dict({"cache_dir": tempfile.mkdtemp(prefix="kvpool-steps-"),
-                            "dram": {"capacity": 64 << 20, "slab_size": 4 << 20},
+                            "dram": {"capacity": max(64 << 20, 2 * len(KEYS) * size),
+                                     "slab_size": max(4 << 20, size)},
                             "ssd": {"enabled": False}, "metrics": {"enabled": True}})
     pool = KVPool(cfg, remote=False, serve_metrics=False, publish_events=False)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -80,14 +84,14 @@ def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
         traffic = Traffic(LabeledLatency())
         conn = Connection(store, traffic, server)
         session = conn.session
-        ns = namespace_for(SIZE)
+        ns = namespace_for(size)
         store.declare(session, canonical_json(ns.canonical()))
-        batch = store.begin_put(session, ns.id, KEYS, len(KEYS) * SIZE)
+        batch = store.begin_put(session, ns.id, KEYS, len(KEYS) * size)
         for target in batch.targets:
             assert target is not None
-            target[:] = bytes(SIZE)
+            target[:] = bytes(size)
         store.commit_put(batch)
-        inbox = memoryview(bytearray(1 << 16))
+        inbox = memoryview(bytearray(HEADER_BYTES + 1 + size))  # one whole answer
         frames = [HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, Op.GET, i, 1, 32, 0) + ns.id + k
                   for i, k in enumerate(KEYS)]
 
@@ -99,7 +103,7 @@ def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
             conn.handle(req)
             traffic.end()
             took = now() - t0
-            client.recv_into(inbox)
+            _drain(client, inbox)
             return took
 
         steps: dict[str, list[int]] = {name: [] for name in (
@@ -144,7 +148,7 @@ def node_steps(calls: int) -> tuple[dict[str, float], float, float]:
             assert traffic.latency is not None
             traffic.latency.record("get", 1e-5)
             stamps[11] = now()
-            client.recv_into(inbox)
+            _drain(client, inbox)
             for j, values in enumerate(steps.values()):
                 values.append(stamps[j + 1] - stamps[j])
 
@@ -183,7 +187,7 @@ def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
         view = byte_view(out, writable=True)
         steps: dict[str, list[int]] = {name: [] for name in (
             "views and size checks", "live nodes and key checks", "connection pool take",
-            "frame", "sendmsg", "wait for the answer (node, loopback, wake-ups)",
+            "frame", "send", "wait for the answer (node, loopback, wake-ups)",
             "parse header and flags, copy out", "give back and counters")}
         stamps = [0] * 9
         kv_lat: list[int] = []
@@ -206,17 +210,18 @@ def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
             meta = ns.id + b"".join(keys)
             frame = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, Op.GET, conn._req_id, 1,
                                 len(meta), 0)
-            bufs = [memoryview(frame + meta)]
+            buf = memoryview(frame + meta)
             stamps[4] = now()
-            conn.sock.sendmsg(bufs)
+            conn.sock.send(buf)
             stamps[5] = now()
-            have = conn.sock.recv_into(conn._inbox)
+            inbox = conn._inbox
+            have = conn.sock.recv_into(inbox[:HEADER_BYTES + ERROR_ROOM + 1])
             stamps[6] = now()
             while have < HEADER_BYTES + 1 + SIZE:
-                have += conn.sock.recv_into(conn._inbox[have:])
-            inbox = conn._inbox
-            unpack_header(inbox[:HEADER_BYTES])
-            parse_flags(bytes(inbox[HEADER_BYTES:HEADER_BYTES + 1]), 1)
+                have += conn.sock.recv_into(inbox[have:HEADER_BYTES + 1 + SIZE])
+            head = HEADER.unpack_from(inbox)
+            if head[3] != Op.GET | RESPONSE_BIT or inbox[HEADER_BYTES] != 1:
+                raise RuntimeError("not a hit")
             views[0][:] = inbox[HEADER_BYTES + 1:HEADER_BYTES + 1 + SIZE]
             stamps[7] = now()
             pool.give_back(conn)
@@ -250,6 +255,13 @@ def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
         node.close()
 
 
+def _drain(sock: socket.socket, answer: memoryview) -> None:
+    """Receive one whole GET answer (``answer`` is its size)."""
+    got = 0
+    while got < answer.nbytes:
+        got += sock.recv_into(answer[got:])
+
+
 def _run(fn: Callable[[int], None], calls: int) -> None:
     for i in range(calls):
         fn(i)
@@ -265,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remote_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=5000, help="requests per measurement")
+    parser.add_argument("--node-size", type=int, default=SIZE,
+                        help="chunk bytes of the node's GETs (the client's are 4 KiB)")
     args = parser.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f}, {args.calls} calls")
-    steps, whole, cpu = node_steps(args.calls)
+    steps, whole, cpu = node_steps(args.calls, args.node_size)
     print(f"node, in process: handle() p50 {whole:.1f} µs; thread CPU per request "
           f"(with the client side's send and receive) {cpu:.1f} µs")
     _print_steps(steps)

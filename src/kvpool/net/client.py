@@ -148,8 +148,7 @@ class ClusterClient:
 
     def _on_node(self, node_id: str, fn: Callable[[NodeConnection], T]) -> T | None:
         """Run ``fn`` on a pooled connection; None if the node failed (it is marked down)."""
-        with self._lock:
-            pool = self._pools.get(node_id)
+        pool = self._pools.get(node_id)  # one dict read is atomic: no lock on the read path
         if pool is None:
             return None
         try:  # take / give_back rather than a generator context manager: per-request path
@@ -317,9 +316,12 @@ class ClusterClient:
                   views: list[memoryview]) -> list[bool]:
         """Every key from one node, in one GET (or one per cluster.batch_bytes), counted:
         misses where the node fails (it is marked down)."""
-        got = self._safe(node_id, _get_job(ns, list(keys), views, [], self.cfg.batch_bytes))
+        if len(keys) * ns.chunk_bytes <= self.cfg.batch_bytes:  # one request
+            got = self._safe(node_id, lambda c: c.get_views(ns, keys, views))
+        else:
+            got = self._safe(node_id, _get_job(ns, list(keys), views, [], self.cfg.batch_bytes))
         found = got if got is not None else [False] * len(keys)
-        hits = sum(found)
+        hits = found.count(True)
         self._counters.add_many({"get_hits": hits, "get_misses": len(keys) - hits})
         return found
 
@@ -493,9 +495,9 @@ def _get_job(ns: Namespace, keys: list[bytes], views: list[memoryview], touch: l
              batch_bytes: int) -> Callable[[NodeConnection], list[bool]]:
     """The first batch carries the node's touch keys."""
     if len(keys) * ns.chunk_bytes <= batch_bytes or len(keys) == 1:  # one request
-        return lambda c: c.get_into(ns, keys, views, touch)
+        return lambda c: c.get_views(ns, keys, views, touch)
     return lambda c: [hit for j, b in enumerate(_batches(ns, len(keys), batch_bytes))
-                      for hit in c.get_into(ns, keys[b], views[b], touch if j == 0 else ())]
+                      for hit in c.get_views(ns, keys[b], views[b], touch if j == 0 else ())]
 
 
 def _put_job(ns: Namespace, keys: list[bytes], datas: list[Any],

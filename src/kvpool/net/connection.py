@@ -1,14 +1,16 @@
 """A blocking connection to one storage node, and a small pool of them per node.
 
-GET answers are received with ``recv_into`` straight into the caller's buffers; PUT payloads
-are sent from the caller's buffers with scatter-gather ``sendmsg``: no staging copies.
+GET answers are received straight into the caller's buffers (a small one whole into the
+connection's inbox, then copied out); PUT payloads are sent from the caller's buffers with
+scatter-gather ``sendmsg``: no staging copies.
 
 The socket is blocking, its timeouts the kernel's (SO_RCVTIMEO / SO_SNDTIMEO, set to
 ``request_timeout``), not Python's: a Python socket timeout polls before every ``recv``, and
 under several client threads each extra syscall is one more release and re-acquisition of the
-GIL. Every receive asks for all it expects at once (MSG_WAITALL), so a 2 MiB chunk is one
-syscall however the kernel slices it, and a GET whose every key hit takes its flags and all its
-payload in one scatter ``recvmsg_into`` straight into the caller's buffers.
+GIL. A GET answer's first receive is one scatter ``recvmsg_into`` of what has arrived (header,
+flags, the start of the payload, on into the first key's buffer); the rest is asked for at
+once (MSG_WAITALL) in one scatter receive into the hits' buffers, so a 2 MiB chunk is at most
+two syscalls however the kernel slices it (``_get_answer``).
 
 Failure contract: socket errors, timeouts and bytes that are not a valid answer raise
 (OSError / TimeoutError / ProtocolError) and leave the connection unusable — the pool closes
@@ -38,6 +40,7 @@ import numpy as np
 from kvpool.buffers import advance, byte_view
 from kvpool.cluster.membership import parse_address
 from kvpool.config import ClusterConfig
+from kvpool.errors import ChunkSizeError
 from kvpool.keys import Namespace, canonical_json
 from kvpool.net.protocol import (
     FEATURES,
@@ -63,6 +66,12 @@ IOV_MAX = 512  # iovecs per sendmsg: under the kernel's limit (UIO_MAXIOV, 1024)
 #: A GET whose whole answer can be at most this large is received in one receive into the
 #: connection's inbox (header, flags and payload), then copied out: one syscall, not two.
 INBOX_BYTES = 64 << 10
+#: A larger answer's first receive takes this much of the payload into the inbox (copied
+#: out after), the rest of the first chunk straight into its buffer.
+SPECULATE_BYTES = 4 << 10
+#: The inbox room a GET's first receive leaves at least for an error answer's message.
+ERROR_ROOM = 4 << 10
+_GET_ANSWER = Op.GET | RESPONSE_BIT
 _DEFAULTS = ClusterConfig()
 
 
@@ -137,6 +146,14 @@ class NodeConnection:
         return TimeoutError(f"node {self.address} moved nothing for {self._timeout} s")
 
     def _send(self, buffers: list[memoryview]) -> None:
+        if len(buffers) == 1:  # a request without payload: usually one send
+            try:
+                sent = self.sock.send(buffers[0])
+            except BlockingIOError:
+                raise self._timed_out() from None
+            if sent == buffers[0].nbytes:
+                return
+            buffers = [buffers[0][sent:]]
         bufs = [b for b in buffers if b.nbytes]
         while bufs:
             try:
@@ -145,11 +162,13 @@ class NodeConnection:
                 raise self._timed_out() from None
             advance(bufs, sent)
 
-    def _recv_some(self, view: memoryview) -> int:
-        """One receive into ``view``: what has arrived (at least a byte). Raises
-        ConnectionError on EOF, TimeoutError after ``request_timeout`` without a byte."""
+    def _recv_first(self, bufs: list[memoryview]) -> int:
+        """One receive of what has arrived (at least a byte), scattered over ``bufs`` (not
+        empty, none empty). Raises ConnectionError on EOF, TimeoutError after
+        ``request_timeout`` without a byte."""
         try:
-            n = self.sock.recv_into(view)
+            n = self.sock.recv_into(bufs[0]) if len(bufs) == 1 \
+                else self.sock.recvmsg_into(bufs)[0]
         except self.SILENT:
             raise self._timed_out() from None
         if n == 0:
@@ -271,64 +290,111 @@ class NodeConnection:
 
     def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Any],
                  touch: Sequence[bytes] = ()) -> list[bool]:
-        """Fetch chunks into ``outs`` (each exactly ns.chunk_bytes). On a miss the buffer is
-        untouched. ``touch`` keys ride along to be touched, not fetched (dropped unasked on
-        a node older than Feature.GET_TOUCH)."""
-        # The hot path of a remote read: no per-request objects beyond the answer's header
-        # (after a 2 MiB receive every Python step runs on cold caches).
+        """Fetch chunks into ``outs`` (each exactly ns.chunk_bytes, else ChunkSizeError, a
+        ValueError). ``touch`` keys ride along to be touched, not fetched (dropped unasked on
+        a node older than Feature.GET_TOUCH). A hit's buffer holds its chunk; a miss's is
+        untouched when the whole answer fits the connection's inbox, else its contents are
+        unspecified (it may hold bytes of a hit, received there before the flags said
+        where they belong). Raises as ``get_views``."""
         views = [byte_view(o, writable=True) for o in outs]
+        for view in views:
+            if view.nbytes != ns.chunk_bytes:
+                raise ChunkSizeError(f"output buffer has {view.nbytes} bytes; namespace chunks "
+                                     f"have {ns.chunk_bytes}")
+        return self.get_views(ns, keys, views, touch)
+
+    def get_views(self, ns: Namespace, keys: Sequence[bytes], views: list[memoryview],
+                  touch: Sequence[bytes] = ()) -> list[bool]:
+        """``get_into`` for flat writable views of ns.chunk_bytes each, as the caller has
+        checked them (ClusterClient). Raises OSError / TimeoutError / ProtocolError (the
+        connection is then unusable) or RemoteError for the node's error answer."""
         ns_id, count = ns.id, len(keys)
         if ns_id not in self.declared:
             self.declare(ns)
         meta = ns_id + b"".join(keys) + (b"".join(touch) if touch and self._get_touch
                                           else b"")
-        req = self._request(Op.GET, count, meta)
-        if HEADER_BYTES + count * (1 + ns.chunk_bytes) <= INBOX_BYTES:
-            return self._small_get(req, count, ns.chunk_bytes, views)
-        head = self._head(Op.GET, req)
-        if (count and head.status == Status.OK and head.meta_len == count
-                and head.payload_len == count * ns.chunk_bytes):
-            # Every key hit (the answer's size says so): flags and payload in one receive.
-            flags = bytearray(count)
-            self._recv_all([memoryview(flags), *views])
-            if flags.count(1) != count:
-                raise ProtocolError(f"malformed GET answer from {self.address}")
-            return [True] * count
-        found = parse_flags(self._meta(head), count)
-        if head.payload_len != sum(found) * ns.chunk_bytes:
-            raise ProtocolError(f"malformed GET answer from {self.address}")
-        self._recv_all([view for view, hit in zip(views, found, strict=True) if hit])
-        return found
+        self._req_id += 1
+        head = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, Op.GET, self._req_id, count, len(meta), 0)
+        self._send([memoryview(head + meta)])
+        return self._get_answer(self._req_id, count, ns.chunk_bytes, views)
 
-    def _small_get(self, req_id: int, count: int, chunk_bytes: int,
-                   views: list[memoryview]) -> list[bool]:
-        """The answer to a GET whose answer fits the inbox: received there whole (usually in
-        one receive), the hits copied into ``views``. Raises as ``get_into``."""
-        inbox, have = self._inbox, 0
-        while have < HEADER_BYTES:
-            have += self._recv_some(inbox[have:])
-        head = unpack_header(inbox[:HEADER_BYTES])
-        if head.op != Op.GET | RESPONSE_BIT or head.req_id != req_id:
-            raise ProtocolError(f"node {self.address} answered op {head.op} id {head.req_id} "
-                                f"to op {int(Op.GET)} id {req_id}")
-        end = HEADER_BYTES + head.meta_len + head.payload_len
-        if end > INBOX_BYTES:
-            raise ProtocolError(f"GET answer from {self.address} larger than its keys")
-        while have < end:
-            have += self._recv_some(inbox[have:end])
-        meta = inbox[HEADER_BYTES:HEADER_BYTES + head.meta_len]
-        if head.status != Status.OK:
-            if head.payload_len:
-                raise ProtocolError("error answer with a payload")
-            raise error_for(head.status, bytes(meta).decode(errors="replace"))
-        found = parse_flags(bytes(meta), count)
-        if head.payload_len != sum(found) * chunk_bytes:
+    def _get_answer(self, req_id: int, count: int, chunk: int,
+                    views: list[memoryview]) -> list[bool]:
+        """Receive a GET's answer: header, flags and payload.
+
+        The first receive is one scatter ``recvmsg_into`` of what has arrived: into the inbox
+        (header, flags and, when an answer of every key fits it, the whole answer; else the
+        first SPECULATE_BYTES of the payload) and, for a larger chunk, on into the rest of
+        the first key's buffer, where the first chunk of an answer whose first key hit
+        belongs. Once the flags are read, the rest of the payload is received with one
+        MSG_WAITALL scatter straight into the hits' buffers, and the payload the inbox holds
+        is copied out. So a small answer is one receive, a large one usually two, and no
+        step waits for the header alone.
+
+        Every check holds before a hit is reported: the answer's id and op, flags of 0/1
+        whose hits match the payload's length, no byte past the answer's end (ProtocolError:
+        the connection is unusable and the caller counts misses). An error answer raises its
+        RemoteError (ProtocolError when it carries a payload or its message does not fit
+        the inbox). A node silent for ``request_timeout`` raises TimeoutError; a closed
+        connection ConnectionError."""
+        flags_end = HEADER_BYTES + count
+        # cap: payload bytes the inbox takes (all of it when an answer of every key fits)
+        cap = count * chunk if flags_end + count * chunk <= INBOX_BYTES else SPECULATE_BYTES
+        box_end = max(flags_end + cap, HEADER_BYTES + ERROR_ROOM)
+        box = self._inbox if box_end <= INBOX_BYTES else memoryview(bytearray(box_end))
+        first = [box[:box_end]]
+        if cap < chunk and count:  # a hit first key's chunk lands in place
+            first.append(views[0][cap:])
+        n = self._recv_first(first)
+        if n < HEADER_BYTES:  # the header came in pieces
+            advance(first, n)
+            while n < HEADER_BYTES:
+                got = self._recv_first(first)
+                advance(first, got)
+                n += got
+        magic, version, status, op, rid, _, meta_len, payload_len = HEADER.unpack_from(box)
+        if magic != MAGIC or version != PROTOCOL_VERSION or op != _GET_ANSWER or rid != req_id:
+            raise ProtocolError(f"node {self.address} answered op {op} id {rid} (magic "
+                                f"{bytes(magic)!r}, version {version}) to op {int(Op.GET)} "
+                                f"id {req_id}")
+        if status != Status.OK:
+            end = HEADER_BYTES + meta_len
+            if payload_len or end > box_end or n > end:
+                raise ProtocolError(f"malformed error answer to a GET from {self.address}")
+            self._recv_all([box[n:end]])
+            raise error_for(status, bytes(box[HEADER_BYTES:end]).decode(errors="replace"))
+        if meta_len != count or n > flags_end + payload_len:
             raise ProtocolError(f"malformed GET answer from {self.address}")
-        at = HEADER_BYTES + count
-        for view, hit in zip(views, found, strict=True):
-            if hit:
-                view[:] = inbox[at:at + chunk_bytes]
-                at += chunk_bytes
+        if n < flags_end:
+            self._recv_all([box[n:flags_end]])
+            n = flags_end
+        if count == 1 and box[HEADER_BYTES] <= 1:  # one key: no list of flags to parse
+            found, hits = ([True], [0]) if box[HEADER_BYTES] else ([False], [])
+        else:
+            found = parse_flags(bytes(box[HEADER_BYTES:flags_end]), count)
+            hits = [i for i, hit in enumerate(found) if hit]
+        if payload_len != len(hits) * chunk:
+            raise ProtocolError(f"malformed GET answer from {self.address}")
+        got = n - flags_end  # payload bytes received so far
+        in_box = min(cap, payload_len)
+        rest = [box[n:flags_end + in_box]] if got < in_box else []
+        if in_box < payload_len:
+            j, off = divmod(in_box, chunk)
+            if got > cap:  # landed in views[0][cap:]: the first hit's, wherever it goes
+                if hits[0]:
+                    views[hits[0]][cap:got] = views[0][cap:got]
+                off = got
+            rest.append(views[hits[j]][off:])
+            rest.extend(views[i] for i in hits[j + 1:])
+        if rest:
+            self._recv_all(rest)
+        at, end = flags_end, flags_end + in_box
+        for i in hits:
+            if at >= end:
+                break
+            take = min(chunk, end - at)
+            views[i][:take] = box[at:at + take]
+            at += take
         return found
 
     def put(self, ns: Namespace, keys: Sequence[bytes], datas: Sequence[Any]) -> int:
@@ -407,6 +473,9 @@ class TlsNodeConnection(NodeConnection):
                     self.sock.sendall(buf)
         except TimeoutError:
             raise self._timed_out() from None
+
+    def _recv_first(self, bufs: list[memoryview]) -> int:
+        return super()._recv_first(bufs[:1])  # no scatter receive on an SSL socket
 
     def _recv_all(self, bufs: list[memoryview]) -> None:
         try:
