@@ -103,6 +103,24 @@ def test_cli_quick_flags_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert list((tmp_path / "scratch").iterdir()) == []
 
 
+def test_cli_only_runs_the_cases_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(storage.Plan, "quick_plan", classmethod(lambda cls: TINY))
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "storage", "--quick", "--repeats", "1", "--only", "pool_write",
+               "--dir", str(tmp_path / "scratch"), "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert list(data["ratios"]) == ["pool_ssd_write_vs_raw"]
+    assert [c["id"] for c in data["cases"]] == [f"pool/write/{MiB}/1t"]
+    assert data["plan"]["only"] == ["pool_write"]
+    with pytest.raises(SystemExit):  # argparse names the cases
+        main(["bench", "storage", "--only", "nope", "--dir", str(tmp_path)])
+    assert "pool_write" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown case"):
+        storage.run_storage_bench(tmp_path, storage.Plan(only=("nope",)))
+
+
 def test_cli_rejects_bad_repeats(tmp_path: Path) -> None:
     assert main(["bench", "storage", "--quick", "--repeats", "0", "--dir", str(tmp_path)]) == 2
 

@@ -41,7 +41,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,30 @@ __all__ = [
 DEFAULT_DIR = Path("~/.cache/kvpool/bench")
 
 
+
+def _dram_sizes(run: Run) -> None:
+    for size in run.plan.sizes:
+        bench_dram(run, size)
+
+
+def _ssd_sizes(run: Run) -> None:
+    for size in run.plan.sizes:
+        bench_ssd(run, size)
+
+
+#: The bench's cases, in the order a full run runs them (``--only`` picks some).
+CASES: dict[str, Callable[[Run], None]] = {
+    "dram": _dram_sizes,
+    "ssd": _ssd_sizes,
+    "small": bench_small,
+    "small_pool_write": bench_small_pool_write,
+    "pool_write": bench_pool_write,
+    "prefix": bench_prefix,
+    "prefetch": bench_prefetch,
+    "metrics": bench_metrics,
+}
+
+
 # ---------------------------------------------------------------------------------- core
 def _find(rows: Sequence[Comparison], group: str, case: str, size: int,
           threads: int) -> Comparison | None:
@@ -105,10 +129,15 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
     ``ratio_basis`` (the case each ratio comes from), ``index_bytes_per_chunk``, ``cases``
     (every case's figures) and run details.
 
+    ``plan.only`` names the cases to run (``CASES``; empty: all).
+
     Raises BenchFailure if an operation fails or returns wrong bytes, ValueError for a bad
-    plan, OSError for an unusable directory.
+    plan (an unknown case among them), OSError for an unusable directory.
     """
     plan.check()
+    unknown = [name for name in plan.only if name not in CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown}; the cases are {list(CASES)}")
     say: Log = log or (lambda _msg: None)
     base = Path(directory).expanduser()
     base.mkdir(parents=True, exist_ok=True)
@@ -122,16 +151,8 @@ def run_storage_bench(directory: str | os.PathLike[str], plan: Plan,
         say(f"generating {human_bytes(src_bytes)} of random data; scratch {scratch}")
         run = Run(plan, scratch, Source(src_bytes, plan.seed), say,
                    np.random.default_rng(plan.seed + 1))
-        for size in plan.sizes:
-            bench_dram(run, size)
-        for size in plan.sizes:
-            bench_ssd(run, size)
-        bench_small(run)
-        bench_small_pool_write(run)
-        bench_pool_write(run)
-        bench_prefix(run)
-        bench_prefetch(run)
-        bench_metrics(run)
+        for name in plan.only or CASES:
+            CASES[name](run)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
@@ -206,6 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"is made inside it and removed); default {DEFAULT_DIR}")
     parser.add_argument("--repeats", metavar="N", type=int, default=None,
                         help="timed passes per case (default 3)")
+    parser.add_argument("--only", metavar="CASE", action="append", choices=list(CASES),
+                        default=None, help="run only this case (repeatable; default all): "
+                                           + ", ".join(CASES))
 
 
 def _print_report(res: StorageResult, console: Console) -> None:
@@ -251,6 +275,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             err.print("--repeats must be at least 1")
             return 2
         plan = replace(plan, repeats=args.repeats)
+    if args.only:
+        plan = replace(plan, only=tuple(dict.fromkeys(args.only)))
     directory = args.dir if args.dir is not None else DEFAULT_DIR
     try:
         result = run_storage_bench(

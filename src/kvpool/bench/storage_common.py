@@ -56,6 +56,7 @@ class Plan:
     dram_slab: int = 64 * MiB
     seed: int = 20261130
     quick: bool = False
+    only: tuple[str, ...] = ()  # names of ``storage.CASES`` to run; empty: all
 
     @classmethod
     def full(cls) -> Plan:

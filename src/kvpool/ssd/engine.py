@@ -41,7 +41,6 @@ from kvpool.record import (
     FLAG_NS_TOMBSTONE,
     FLAG_TOMBSTONE,
     RecordHeader,
-    payload_checksum,
     record_size,
 )
 from kvpool.ssd.checks import ReadChecks
@@ -52,7 +51,7 @@ from kvpool.ssd.reader import plan_runs
 from kvpool.ssd.recency import ReadMarks
 from kvpool.ssd.recovery import scan_media
 from kvpool.ssd.segments import SegmentStore, check_geometry
-from kvpool.ssd.writer import Pending, write_batch
+from kvpool.ssd.writer import Pending, hash_payloads, write_batch
 
 log = logging.getLogger("kvpool.ssd")
 
@@ -205,12 +204,22 @@ class SsdEngine:
         """Append one chunk. Returns True once written (and synced in durable mode)."""
         return self.put_many([(key, ns, data)]) == 1
 
-    def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]]) -> int:
+    def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]], *,
+                 reserved: Callable[[], object] | None = None) -> int:
         """Append chunks in as few large writes as possible. Returns how many were written.
+
+        The records take their place at the log head (in the order given) before their
+        payloads are hashed: ``reserved``, when given, is called once the last of them has
+        its place (outside the engine lock; not called if put_many raises before that), so a
+        caller that runs several put_many at once (the write-behind queue's writers) keeps
+        its batches in the log in the order it took them while one batch is hashed and
+        another written. (A batch that crosses a segment end is placed in two parts, the
+        second after the first is written: the next batch waits for that.)
 
         Raises ValueError for a key that is not 16 bytes, a payload larger than a segment or a
         non-contiguous buffer; PoolClosedError after close. An IO error while writing raises
-        OSError (nothing of that batch is indexed).
+        OSError: the records of the failed write are not indexed (those of a batch's earlier
+        part in another segment, already written, are).
         """
         self._check_open()
         pending = []
@@ -221,13 +230,13 @@ class SsdEngine:
             if view.nbytes > self.max_payload:
                 raise ValueError(f"chunk of {view.nbytes} bytes does not fit ssd.segment_size="
                                  f"{self.segment_size}")
-            header = RecordHeader(bytes(key), ns.id, ns.layout_id, view.nbytes, 0,
-                                  payload_checksum(view))
-            pending.append(Pending(header, view, -1))
+            # checksum 0 for now: hashed once placed (_append_batches), before it is written
+            header = RecordHeader(bytes(key), ns.id, ns.layout_id, view.nbytes, 0, 0)
+            pending.append(Pending(header, view, -1, hashed=False))
         with self._lock:
             for p in pending:
                 p.ns_index = self._ns.number(p.header.namespace_id)
-        self._append(pending)
+        self._append(pending, reserved)
         self._counters.add("puts", len(pending))
         self._counters.add_many({
             "put_bytes": sum(p.payload.nbytes for p in pending),
@@ -235,23 +244,28 @@ class SsdEngine:
             "log_bytes": sum(record_size(p.payload.nbytes) for p in pending)})
         return len(pending)
 
-    def _append(self, pending: list[Pending]) -> None:
+    def _append(self, pending: list[Pending],
+                reserved: Callable[[], object] | None = None) -> None:
         if self.durability == "durable":
             with self._durable_lock:
-                self._append_batches(pending)
+                self._append_batches(pending, reserved)
         else:
-            self._append_batches(pending)
+            self._append_batches(pending, reserved)
 
-    def _append_batches(self, pending: list[Pending]) -> None:
+    def _append_batches(self, pending: list[Pending],
+                        reserved: Callable[[], object] | None = None) -> None:
         start = 0
         while start < len(pending):
             with self._lock:
                 self._check_open()
                 n = self._log.reserve(pending, start)
+            if reserved is not None and start + n == len(pending):
+                reserved()  # every record placed: the caller's next batch may follow
             batch = pending[start:start + n]
             seg_no = batch[0].segment
             written = False
             try:
+                hash_payloads(batch)  # outside the lock, the records' places already taken
                 write_batch(self._store, self._tls, batch)
                 if self.durability == "durable":
                     self._store.sync(seg_no)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvpool.record import BLOCK, HEADER_BLOCK, HEADER_SIZE, RecordHeader, round_up
+from kvpool.record import (
+    BLOCK,
+    HEADER_BLOCK,
+    HEADER_SIZE,
+    RecordHeader,
+    payload_checksum,
+    round_up,
+)
 from kvpool.ssd.directio import ThreadBuffers, aligned_buffer, is_direct_capable
 from kvpool.ssd.segments import SegmentStore
 
@@ -25,6 +32,17 @@ class Pending:
     ns_index: int
     segment: int = -1
     offset: int = -1
+    hashed: bool = True  # False: header.checksum is still to be computed (hash_payloads)
+
+
+def hash_payloads(batch: list[Pending]) -> None:
+    """Put each unhashed record's payload checksum into its header (xxh3-64; the GIL is
+    held, ~40 µs per MiB): done once the records are placed, so a writer hashes its batch
+    while another's batch is being written."""
+    for p in batch:
+        if not p.hashed:
+            p.header = p.header._replace(checksum=payload_checksum(p.payload))
+            p.hashed = True
 
 
 def write_batch(store: SegmentStore, buffers: ThreadBuffers, batch: list[Pending]) -> None:

@@ -244,7 +244,8 @@ def build_tiers(cfg: Config, remote: bool = True, retention: RetentionBook | Non
                 and cfg.ssd.durability == "cache" else 0
             ssd_staging = WriteBehind(ssd.engine, cfg.pool.write_behind_bytes,
                                       cfg.pool.write_behind_batch,
-                                      nice=cfg.pool.background_nice, max_pinned=pinnable)
+                                      nice=cfg.pool.background_nice, max_pinned=pinnable,
+                                      writers=cfg.pool.write_behind_threads)
             stack.tiers[:0] = [ssd_staging, ssd]
             if cfg.pool.ssd_write == "through" or cfg.dram.capacity == 0:
                 durable = cfg.ssd.durability == "durable"

@@ -9,6 +9,13 @@ thread writes staged chunks to the sink in batches. When the staged bytes would 
 budget the offer is refused and counted as a dropped save: the caller (inference) never waits
 for the SSD. Staged chunks are readable (``get_into``) until written, so a just-evicted chunk
 is not a miss.
+
+With ``writers`` > 1 (the SSD's queue: ``pool.write_behind_threads``) several worker threads
+write batches at once, so the disk is not idle while a worker hashes its batch, indexes the
+last one or waits for a core: on a loaded 2-core machine one writer left the disk idle between
+its writes for most of the time. The batches still reach the log in the order they were taken:
+a worker hands its batch to the sink only after the previous batch has its place in the log
+(the sink's ``reserved`` callback), then hashes and writes it while the next one is placed.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvpool.buffers import byte_view, copy_into
 from kvpool.errors import PoolClosedError
@@ -46,14 +53,25 @@ class BatchSink(Protocol):
     def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]]) -> int: ...
 
 
+class OrderedSink(Protocol):
+    """A sink that several writers may feed at once: ``put_many`` calls ``reserved`` once the
+    whole batch has its place (the SSD engine: at the log head), before its slow part."""
+
+    def put_many(self, items: Iterable[tuple[bytes, Namespace, Any]], *,
+                 reserved: Callable[[], object] | None = None) -> int: ...
+
+
 class WriteBehind:
     """``label`` names the sink in thread names and logs (and the tier, ``<label>_staging``,
     in metrics); ``stats_key`` places the stats. The SSD's queue counts its hits as
-    ``staged_hits``, another's as ``<label>_staged_hits``."""
+    ``staged_hits``, another's as ``<label>_staged_hits``. ``writers`` > 1 needs an
+    ``OrderedSink`` (raises ValueError below 1)."""
 
-    def __init__(self, sink: BatchSink, max_bytes: int, batch: int = 16,
+    def __init__(self, sink: BatchSink | OrderedSink, max_bytes: int, batch: int = 16,
                  label: str = "ssd", stats_key: tuple[str, ...] = ("write_behind",),
-                 nice: int = 0, max_pinned: int = 0) -> None:
+                 nice: int = 0, max_pinned: int = 0, writers: int = 1) -> None:
+        if writers < 1:
+            raise ValueError(f"writers must be at least 1, got {writers}")
         self._sink = sink
         self._nice = nice
         self._name = label
@@ -64,7 +82,9 @@ class WriteBehind:
         #: Bytes of pinned DRAM slots the queue may hold (``offer_pinned``; 0: never).
         self.max_pinned = min(max_pinned, max_bytes)
         self._pinned = 0
-        self._releasing = False  # the worker is releasing the pins of a written batch
+        self._releasing = 0  # workers releasing the pins of a written batch
+        self._taken = 0  # batches taken from the queue so far (a batch's ticket)
+        self._turn = 0  # the ticket whose batch may go to the sink next (writers > 1)
         self._batch = batch
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -80,9 +100,12 @@ class WriteBehind:
         self.after_batch: Callable[[], object] | None = None
         self._counters = dict.fromkeys(("offered", "offered_bytes", "offered_pinned",
                                         "written", "dropped", "write_errors"), 0)
-        self._worker = threading.Thread(target=self._run, name=f"kvpool-write-behind-{label}",
-                                        daemon=True)
-        self._worker.start()
+        self._workers = [threading.Thread(target=self._run, daemon=True,
+                                          name=f"kvpool-write-behind-{label}"
+                                               + (f"-{i}" if writers > 1 else ""))
+                         for i in range(writers)]
+        for worker in self._workers:
+            worker.start()
 
     def _take_buffer(self, nbytes: int) -> memoryview | None:
         size = (nbytes + 4095) // 4096 * 4096
@@ -252,6 +275,35 @@ class WriteBehind:
                 gone.append(staged)
         self._release(gone)
 
+    def _next_turn(self, ticket: int) -> None:
+        """The batch of ``ticket`` has its place in the sink (or failed): the next may go."""
+        with self._lock:
+            if self._turn == ticket:
+                self._turn += 1
+                self._cond.notify_all()
+
+    def _write(self, batch: list[tuple[bytes, _Staged]], ticket: int) -> tuple[int, int]:
+        """Hand ``batch`` to the sink, after the batch taken before it has its place there
+        (several writers). Returns (written, failed); never raises."""
+        items = [(k, s.ns, s.buffer[:s.nbytes]) for k, s in batch]
+        try:
+            if len(self._workers) == 1:
+                written = self._sink.put_many(items)
+            else:
+                with self._lock:
+                    while self._turn != ticket:
+                        self._cond.wait()
+                written = cast(OrderedSink, self._sink).put_many(
+                    items, reserved=lambda: self._next_turn(ticket))
+            return written, len(batch) - written
+        except Exception as exc:  # a full or failing disk must not kill the worker
+            log.warning("write-behind (%s): write of %d chunks failed: %s", self._name,
+                        len(batch), exc)
+            return 0, len(batch)
+        finally:
+            if len(self._workers) > 1:
+                self._next_turn(ticket)  # no-op once ``reserved`` was called
+
     def _run(self) -> None:
         lower_thread_priority(self._nice)  # the engine's threads get the cores first
         while True:
@@ -265,14 +317,8 @@ class WriteBehind:
                     key, staged = self._queue.popitem(last=False)
                     self._writing[key] = staged
                     batch.append((key, staged))
-            try:
-                written = self._sink.put_many([(k, s.ns, s.buffer[:s.nbytes])
-                                               for k, s in batch])
-                failed = len(batch) - written
-            except Exception as exc:  # a full or failing disk must not kill the worker
-                log.warning("write-behind (%s): write of %d chunks failed: %s", self._name,
-                            len(batch), exc)
-                written, failed = 0, len(batch)
+                ticket, self._taken = self._taken, self._taken + 1
+            written, failed = self._write(batch, ticket)
             if self.after_batch is not None:  # before the batch is done: a flush waits for it
                 try:
                     self.after_batch()
@@ -284,10 +330,10 @@ class WriteBehind:
                     self._recycle(staged)
                 self._counters["written"] += written
                 self._counters["write_errors"] += failed
-                self._releasing = True
+                self._releasing += 1
             self._release([staged for _, staged in batch])  # before a flush sees it done
             with self._lock:
-                self._releasing = False
+                self._releasing -= 1
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -311,4 +357,5 @@ class WriteBehind:
         with self._lock:
             self._closed = True
             self._cond.notify_all()
-        self._worker.join()
+        for worker in self._workers:
+            worker.join()
