@@ -249,8 +249,10 @@ def _write_summary(store: SegmentStore, seg_no: int, scanned: ScannedSegment,
 def _discard_torn_tail(store: SegmentStore, seg_no: int, result: Scan,
                        per_segment: dict[int, list[FoundRecord]], verify_bytes: int) -> int:
     """Cut the trailing run of bad-payload records of the newest segment. A bad record
-    followed by a good one is not a tear (writes are ordered): it stays, its reads become
-    counted misses, and the acknowledged records after it survive. Returns records cut."""
+    followed by a good one is not cut: it stays, its reads become counted misses, and the
+    acknowledged records after it survive. (Durable writes are ordered, so there it is
+    damage; in cache mode two write-behind writers may also leave a batch torn before a
+    later batch that was written whole.) Returns records cut."""
     scanned = result.segments[seg_no]
     assert scanned is not None
     mine = per_segment[seg_no]
