@@ -162,13 +162,17 @@ def test_entrypoint_is_kvpool_and_cmd_flags_exist(
 def test_exposed_ports_match_config_and_k8s(parsed: tuple[list[Instruction], list[Stage]]) -> None:
     final = parsed[1][-1]
     exposed = {int(p.split("/")[0]) for e in final.all("EXPOSE") for p in e.args.split()}
+    def ports(cfg: dict) -> set[int]:
+        return {cfg["server"]["port"], cfg["server"]["metrics_port"],
+                cfg["events"]["port"], cfg["events"]["replay_port"]}
+
     config = yaml.safe_load((ROOT / "deploy/container/node.yaml").read_text())
-    assert exposed == {config["server"]["port"], config["server"]["metrics_port"]}
+    assert exposed == ports(config)
     sts = yaml.safe_load((ROOT / "deploy/k8s/base/statefulset.yaml").read_text())
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert exposed == {p["containerPort"] for p in container["ports"]}
     k8s_config = yaml.safe_load((ROOT / "deploy/k8s/base/kvpool.yaml").read_text())
-    assert exposed == {k8s_config["server"]["port"], k8s_config["server"]["metrics_port"]}
+    assert exposed == ports(k8s_config)
     # The HEALTHCHECK probes the node's own /healthz on the metrics port, without curl.
     (check,) = final.all("HEALTHCHECK")
     assert check.args.startswith("CMD ")
@@ -266,7 +270,9 @@ def test_image_builds_and_its_kvpool_runs_as_uid_10001(built_dist: tuple[Path, P
         assert config["User"] == final.all("USER")[-1].args
         assert config["Entrypoint"] == ["kvpool"]
         assert config["Cmd"] == exec_form(final.all("CMD")[-1])
-        assert set(config["ExposedPorts"]) == {"7450/tcp", "9450/tcp"}
+        assert set(config["ExposedPorts"]) == {
+            f"{p}/tcp" for e in final.all("EXPOSE") for p in e.args.split()}
+        assert {"7450/tcp", "9450/tcp", "5557/tcp", "5558/tcp"} <= set(config["ExposedPorts"])
         (check,) = final.all("HEALTHCHECK")  # kept: a Docker-format image
         assert info["Healthcheck"]["Test"] == ["CMD", *json.loads(check.args[len("CMD "):])]
         mount = podman("image", "mount", tag).strip()
