@@ -135,6 +135,9 @@ def _specs() -> list[MetricSpec]:
         MetricSpec("kvpool_repair_failures_total", "counter",
                    "Repair copies that failed (peer down or refusing, read error) or were "
                    "dropped (a client's full read-repair queue).", (), s),
+        MetricSpec("kvpool_repair_passes_total", "counter",
+                   "Repair passes a node made over its chunks (after it started, after each "
+                   "membership change: a join, a leave, a restarted peer, a drain).", (), s),
         MetricSpec("kvpool_events_published_total", "counter",
                    "KV events published (docs/routing.md), by medium: CPU (DRAM), DISK (SSD).",
                    ("medium",)),

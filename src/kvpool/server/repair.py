@@ -11,7 +11,9 @@ one *pass* over the chunks it stores (the key catalog, server/catalog.py):
    fleet, clients included, from one YAML). Its *read list*: its ranking over every live node
    down to the R-th owner (the drained nodes ranked above them included), as clients read.
 2. A chunk needs checking when an owner is new to it (not an owner under the previous view)
-   or joined since the previous pass (it may have restarted empty); every chunk after the
+   or joined since the previous pass (it may have restarted empty: a node that restarted
+   is told apart by its incarnation, so a restart quicker than ``repair_delay_s``, or one
+   while a pass was failing and being retried, is still seen); every chunk after the
    node starts, and every chunk while the node is drained.
 3. The node asks every other node of the read list which of those chunks it holds (EXISTS,
    batched per node).
@@ -41,7 +43,7 @@ timing out) is skipped for the rest of the pass, its copies counted as failures
 (``kvpool_repair_failures_total``), and the pass is tried again 5 s later; a chunk that no
 longer reads is forgotten. Metrics: ``kvpool_repair_chunks_total{kind}``,
 ``kvpool_repair_bytes_total``, ``kvpool_repair_pending_chunks``,
-``kvpool_repair_failures_total`` (docs/operations.md).
+``kvpool_repair_failures_total``, ``kvpool_repair_passes_total`` (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -89,10 +91,19 @@ SEND_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class View:
-    """One membership view: live node id -> address, and the drained ids among them."""
+    """One membership view: live node id -> address, the drained ids among them, and each
+    live node's incarnation (its run: a node restarted since is another view even when it
+    came back before anyone saw it gone)."""
 
     live: dict[str, str]
     drained: frozenset[str]
+    incarnations: dict[str, str | None] = field(default_factory=dict)
+
+    def joined_since(self, old: View) -> set[str]:
+        """The live nodes that were not live in ``old``, or were another run of the node
+        (restarted: it may have come back without what it held)."""
+        return {n for n in self.live if n not in old.live
+                or self.incarnations.get(n) != old.incarnations.get(n)}
 
 
 @dataclass
@@ -340,7 +351,7 @@ class NodeRepair:
         old_owners: list[list[str]] | None = None
         joined: set[str] = set()
         if old is not None and not draining:
-            joined = set(new.live) - set(old.live)
+            joined = new.joined_since(old)
             old_live = sorted(old.live)
             old_owners = [[n for n in rank if n not in old.drained][:r]
                           for rank in replicas(old_live, keys, len(old_live))]
@@ -465,7 +476,8 @@ def membership_view(membership: Any) -> Callable[[], View]:
     def view() -> View:
         nodes: list[NodeInfo] = membership.live_nodes()
         live = {n.node_id: n.address() for n in nodes}
-        return View(live, frozenset(membership.drained_nodes()) & frozenset(live))
+        return View(live, frozenset(membership.drained_nodes()) & frozenset(live),
+                    {n.node_id: n.incarnation for n in nodes})
     return view
 
 
@@ -484,6 +496,7 @@ class RepairCollector(Collector):
         out.add("kvpool_repair_bytes_total", m.get("bytes", 0))
         out.add("kvpool_repair_pending_chunks", m.get("pending", 0))
         out.add("kvpool_repair_failures_total", m.get("failures", 0))
+        out.add("kvpool_repair_passes_total", m.get("passes", 0))
         return iter(out)
 
 
