@@ -49,6 +49,50 @@ def test_the_engine_label_is_what_ran(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "tp2_ttft_hit_vs_recompute" not in report["ratios"]
 
 
+def test_the_tp2_case_runs_a_model_whose_heads_split_over_two_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2-135M's 9 heads cannot be split over TP=2 (vLLM refuses it: a full run used to
+    fail there, losing every figure measured before). The TP=2 engines get TP2_MODEL, with
+    every prompt's token ids inside its vocabulary and the documents' shared prefixes kept."""
+    ran: list[dict[str, Any]] = []
+
+    def fake_run(python: str, spec: dict[str, Any], work: Path, name: str,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+        ran.append(spec)
+        return {"outputs": [{"wall_s": 0.1, "token_ids": [1]} for _ in spec["prompts"]],
+                "connector_stats": None,
+                "engine": {"vllm_version": "9.8.7", "device": "cpu", "dtype": "float32",
+                           "enforce_eager": True, "model": spec["model"]}}
+
+    class NoHost:
+        def stop(self) -> int:
+            return 0
+
+    built: list[Path] = []
+    monkeypatch.setattr(bench, "_run", fake_run)
+    monkeypatch.setattr(bench, "_host_pool", lambda work: NoHost())
+    monkeypatch.setattr(bench, "vllm_python", lambda: "python")
+    monkeypatch.setattr(bench, "tp2_model", lambda path: built.append(path) or path)
+    monkeypatch.setattr(smollm2, "smollm2_hf_dir", lambda: tmp_path / "smollm2")
+    bench.run_vllm_bench(quick=False, repeats=1, work=tmp_path)
+    tp2 = [s for s in ran if s.get("tensor_parallel_size") == 2]
+    assert len(tp2) == 3  # recompute, A, B
+    assert built == [tmp_path / "tp2-model"]
+    assert {s["model"] for s in tp2} == {str(tmp_path / "tp2-model")}
+    assert _splits_over_two_ranks(bench.TP2_MODEL)
+    vocab = bench.TP2_MODEL["vocab_size"]
+    recompute, a, b = tp2
+    assert all(0 <= t < vocab for s in tp2 for p in s["prompts"] for t in p)
+    assert len(b["prompts"]) == len(ran[0]["prompts"]) and recompute["prompts"] == b["prompts"]
+    assert a["prompts"] == b["prompts"][::2]  # each document's first request (per_doc = 2)
+    assert b["prompts"][0][:1024] == b["prompts"][1][:1024]  # one document, two questions
+    assert all(s["model"] == str(tmp_path / "smollm2") for s in ran if s not in tp2)
+
+
+def _splits_over_two_ranks(model: dict[str, int]) -> bool:
+    return model["num_heads"] % 2 == 0 and model["num_kv_heads"] % 2 == 0
+
+
 def test_engine_label_names_compiled_runs() -> None:
     info = {"vllm_version": "0.32.0", "device": "cuda", "dtype": "bfloat16",
             "enforce_eager": False}

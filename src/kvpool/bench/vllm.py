@@ -126,6 +126,19 @@ def _ttft_rows(outs: list[dict[str, Any]], lengths: tuple[int, ...],
     return rows
 
 
+#: The TP=2 case's model: a random-weight Llama near SmolLM2-135M's compute (30 layers,
+#: hidden 512 against 576) whose 8 attention heads and 2 KV heads split over two ranks.
+TP2_MODEL: dict[str, int] = {"vocab_size": 4096, "hidden_size": 512, "num_layers": 30,
+                             "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 1536}
+
+
+def tp2_model(path: Path) -> Path:
+    """``TP2_MODEL`` built at ``path`` (once: an existing build is reused)."""
+    from kvpool.integrations.models.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(path, **TP2_MODEL)
+
+
 def _host_pool(work: Path) -> HostProcess:
     """A ``kvpool host`` for the engines of the host cases: 2 GiB of DRAM, no SSD (a hit can
     only come from its arena). Raises RuntimeError when it does not start."""
@@ -148,14 +161,25 @@ def _host_cases(python: str, base: dict[str, Any], lengths: tuple[int, ...], per
     * ``tp2`` (not with ``--quick``): the same at ``tensor_parallel_size=2`` (one rank per
       core, both ranks attached), beside a TP=2 engine without a connector (recompute).
 
+    SmolLM2-135M cannot run at TP=2 (9 attention heads, 3 KV heads: vLLM refuses "Total
+    number of attention heads (9) must be divisible by tensor parallel size (2)"), so the
+    ``tp2`` case runs a random-weight Llama of about its compute (``TP2_MODEL``, built once
+    into the work dir) on the same prompts with token ids folded into its vocabulary, beside
+    a TP=2 recompute of that model.
+
     Returns per case the modes' rows (as ``run_vllm_bench``'s) and B's token ids."""
-    firsts = [base["prompts"][i * per_doc] for i in range(len(lengths))]
     cases: dict[str, Any] = {}
     plans: list[tuple[str, dict[str, Any], dict[str, str]]] = [("cross_instance", {}, {})]
     if not quick:
-        plans.append(("tp2", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        vocab = TP2_MODEL["vocab_size"]
+        plans.append(("tp2", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+                              "model": str(tp2_model(work / "tp2-model")),
+                              "prompts": [[t % vocab for t in p] for p in base["prompts"]]},
                       {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}))
     for case, engine, env in plans:
+        engine = dict(engine)
+        prompts_of_case: list[list[int]] = engine.pop("prompts", base["prompts"])
+        firsts = [prompts_of_case[i * per_doc] for i in range(len(lengths))]
         host = _host_pool(work / case)
         try:
             sock = str(work / case / "host" / "host.sock")
@@ -164,8 +188,8 @@ def _host_cases(python: str, base: dict[str, Any], lengths: tuple[int, ...], per
             conn = {"name": "kvpool", "extra": extra}
             runs = {}
             order: list[tuple[str, dict[str, Any] | None, list[list[int]]]] = \
-                [("recompute", None, base["prompts"])] if engine else []
-            order += [("a", conn, firsts), ("b", conn, base["prompts"])]
+                [("recompute", None, prompts_of_case)] if engine else []
+            order += [("a", conn, firsts), ("b", conn, prompts_of_case)]
             for mode, connector, prompts in order:
                 print(f"[bench vllm] {case} {mode}: {len(prompts)} requests", file=sys.stderr,
                       flush=True)
