@@ -136,7 +136,11 @@ def tp2_model(path: Path) -> Path:
     """``TP2_MODEL`` built at ``path`` (once: an existing build is reused)."""
     from kvpool.integrations.models.tiny_llama import build_tiny_llama
 
-    return build_tiny_llama(path, **TP2_MODEL)
+    m = TP2_MODEL
+    return build_tiny_llama(path, vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                            num_layers=m["num_layers"], num_heads=m["num_heads"],
+                            num_kv_heads=m["num_kv_heads"],
+                            intermediate_size=m["intermediate_size"])
 
 
 def _host_pool(work: Path) -> HostProcess:
