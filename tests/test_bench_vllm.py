@@ -16,7 +16,10 @@ from kvpool.bench import vllm as bench
 from kvpool.integrations.models import smollm2
 
 
-def test_the_engine_label_is_what_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fake_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The bench's engine runs, its host pool and its model replaced by fakes (SmolLM2 at
+    ``tmp_path / "model"``); returns the list of engine specs run, in order."""
     ran: list[dict[str, Any]] = []
 
     def fake_run(python: str, spec: dict[str, Any], work: Path, name: str,
@@ -36,6 +39,12 @@ def test_the_engine_label_is_what_ran(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(bench, "_host_pool", lambda work: NoHost())
     monkeypatch.setattr(bench, "vllm_python", lambda: "python")
     monkeypatch.setattr(smollm2, "smollm2_hf_dir", lambda: tmp_path / "model")
+    return ran
+
+
+def test_the_engine_label_is_what_ran(tmp_path: Path,
+                                      fake_engines: list[dict[str, Any]]) -> None:
+    ran = fake_engines
     report = bench.run_vllm_bench(quick=True, repeats=1, work=tmp_path)
     # every mode, then the cross-instance case's engines A and B (no TP=2 with --quick)
     assert len(ran) == len(bench.MODES) + 2
@@ -50,30 +59,14 @@ def test_the_engine_label_is_what_ran(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_the_tp2_case_runs_a_model_whose_heads_split_over_two_ranks(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        fake_engines: list[dict[str, Any]]) -> None:
     """SmolLM2-135M's 9 heads cannot be split over TP=2 (vLLM refuses it: a full run used to
     fail there, losing every figure measured before). The TP=2 engines get TP2_MODEL, with
     every prompt's token ids inside its vocabulary and the documents' shared prefixes kept."""
-    ran: list[dict[str, Any]] = []
-
-    def fake_run(python: str, spec: dict[str, Any], work: Path, name: str,
-                 env: dict[str, str] | None = None) -> dict[str, Any]:
-        ran.append(spec)
-        return {"outputs": [{"wall_s": 0.1, "token_ids": [1]} for _ in spec["prompts"]],
-                "connector_stats": None,
-                "engine": {"vllm_version": "9.8.7", "device": "cpu", "dtype": "float32",
-                           "enforce_eager": True, "model": spec["model"]}}
-
-    class NoHost:
-        def stop(self) -> int:
-            return 0
-
+    ran = fake_engines
     built: list[Path] = []
-    monkeypatch.setattr(bench, "_run", fake_run)
-    monkeypatch.setattr(bench, "_host_pool", lambda work: NoHost())
-    monkeypatch.setattr(bench, "vllm_python", lambda: "python")
     monkeypatch.setattr(bench, "tp2_model", lambda path: built.append(path) or path)
-    monkeypatch.setattr(smollm2, "smollm2_hf_dir", lambda: tmp_path / "smollm2")
     bench.run_vllm_bench(quick=False, repeats=1, work=tmp_path)
     tp2 = [s for s in ran if s.get("tensor_parallel_size") == 2]
     assert len(tp2) == 3  # recompute, A, B
@@ -86,7 +79,7 @@ def test_the_tp2_case_runs_a_model_whose_heads_split_over_two_ranks(
     assert len(b["prompts"]) == len(ran[0]["prompts"]) and recompute["prompts"] == b["prompts"]
     assert a["prompts"] == b["prompts"][::2]  # each document's first request (per_doc = 2)
     assert b["prompts"][0][:1024] == b["prompts"][1][:1024]  # one document, two questions
-    assert all(s["model"] == str(tmp_path / "smollm2") for s in ran if s not in tp2)
+    assert all(s["model"] == str(tmp_path / "model") for s in ran if s not in tp2)
 
 
 def _splits_over_two_ranks(model: dict[str, int]) -> bool:

@@ -173,16 +173,16 @@ def _host_cases(python: str, base: dict[str, Any], lengths: tuple[int, ...], per
 
     Returns per case the modes' rows (as ``run_vllm_bench``'s) and B's token ids."""
     cases: dict[str, Any] = {}
-    plans: list[tuple[str, dict[str, Any], dict[str, str]]] = [("cross_instance", {}, {})]
+    # (case, engine settings over base's, its prompts, its environment)
+    plans: list[tuple[str, dict[str, Any], list[list[int]], dict[str, str]]] = [
+        ("cross_instance", {}, base["prompts"], {})]
     if not quick:
         vocab = TP2_MODEL["vocab_size"]
         plans.append(("tp2", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
-                              "model": str(tp2_model(work / "tp2-model")),
-                              "prompts": [[t % vocab for t in p] for p in base["prompts"]]},
+                              "model": str(tp2_model(work / "tp2-model"))},
+                      [[t % vocab for t in p] for p in base["prompts"]],
                       {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}))
-    for case, engine, env in plans:
-        engine = dict(engine)
-        prompts_of_case: list[list[int]] = engine.pop("prompts", base["prompts"])
+    for case, engine, prompts_of_case, env in plans:
         firsts = [prompts_of_case[i * per_doc] for i in range(len(lengths))]
         host = _host_pool(work / case)
         try:
