@@ -114,7 +114,8 @@ def test_peer_uid_is_checked_before_any_token(tmp_path: Path) -> None:
             os.setuid(65534)
             peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             peer.connect(data["host"]["socket"])
-            wire.send_frame(peer, {"op": wire.HELLO, "tenant": "default"})
+            wire.send_frame(peer, {"op": wire.HELLO, "version": wire.VERSION,
+                                   "tenant": "default"})
             answer, _, _ = wire.recv_frame(peer, 0)
             os.write(write_end, json.dumps(answer).encode())
         except BaseException as exc:

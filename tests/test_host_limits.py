@@ -45,7 +45,8 @@ def _raw(path: str) -> socket.socket:
 def _attached_raw(path: str) -> socket.socket:
     """A connection that attached by hand (its arena descriptor closed at once)."""
     sock = _raw(path)
-    wire.send_frame(sock, {"op": wire.HELLO, "token": None, "tenant": "default"})
+    wire.send_frame(sock, {"op": wire.HELLO, "version": wire.VERSION, "token": None,
+                          "tenant": "default"})
     answer, _, fds = wire.recv_frame(sock, 0, want_fds=1)
     for fd in fds:
         os.close(fd)
@@ -185,3 +186,24 @@ def test_a_host_pool_out_of_descriptors_serves_again_once_they_are_freed(tmp_pat
             sock.close()
         engine.close()
         host.stop()
+
+
+def test_an_engine_of_another_wire_version_is_refused_with_both_versions_named(
+        host: tuple[HostServer, dict[str, object]]) -> None:
+    """A HELLO without the host pool's wire version (an engine of another kvpool release)
+    is refused with a message naming both versions, and closed; the next engine attaches."""
+    _, data = host
+    path = str(data["host"]["socket"])  # type: ignore[index]
+    for version in (None, wire.VERSION - 1, "2"):
+        sock = _raw(path)
+        hello: dict[str, object] = {"op": wire.HELLO, "token": None, "tenant": "default"}
+        if version is not None:
+            hello["version"] = version
+        wire.send_frame(sock, hello)
+        answer, _, fds = wire.recv_frame(sock, 0, want_fds=1)
+        assert fds == [] and answer["ok"] is False, answer
+        assert f"host wire version {version}" in answer["error"], answer
+        assert f"this host pool {wire.VERSION}" in answer["error"], answer
+        assert _closed_by_peer(sock)
+        sock.close()
+    _attached_raw(path).close()

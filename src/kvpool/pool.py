@@ -721,24 +721,25 @@ class KVPool:
         self._saves.wait_committed(ns.id, keys)
         return self._pin(ns, keys, fetch)
 
-    def pin_resident(self, ns: Namespace, keys: list[bytes]) -> PinnedBatch | None:
+    def pin_resident(self, ns: Namespace, keys: list[bytes],
+                     views: bool = True) -> PinnedBatch | None:
         """``pin_many`` for a caller that already checked its arguments (a storage node's
         GET: ``ns`` is held registered by the node's registry, ``keys`` are its own 16-byte
         digests): the resident chunks pinned under one DRAM lock acquisition, as one
         PinnedBatch rather than a PinnedView per key, with the same counts, SSD read notes
-        and latency as ``pin_many``. None without DRAM. Raises PoolClosedError after
-        close."""
+        and latency as ``pin_many``; without ``views``, their offsets only (a host pool).
+        None without DRAM. Raises PoolClosedError after close."""
         front = self._front
         if front is None:
             return None
         self._saves.wait_committed(ns.id, keys)
         started = perf_counter()
-        batch = front.pin_batch(keys, ns.id)
+        batch = front.pin_batch(keys, ns.id, views)
         pinned = batch.pinned
         if pinned and self._note_reads is not None:
             self._note_reads(keys if pinned == len(keys) else
-                             [k for k, v in zip(keys, batch.views, strict=True)
-                              if v is not None])
+                             [k for k, off in zip(keys, batch.offsets, strict=True)
+                              if off is not None])
         self._counters.add_many({"dram_hits": pinned, "dram_hit_bytes": pinned * ns.chunk_bytes,
                                  "dram_hit_tokens": pinned * ns.layout.chunk_tokens})
         if self._latency is not None:

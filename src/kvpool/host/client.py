@@ -419,31 +419,41 @@ class AttachedPool:
     def _get_many_into(self, ns: Namespace, keys: Sequence[bytes],
                        views: Sequence[memoryview]) -> list[bool]:
         """``get_many_into`` after its checks and its wait for this engine's commits."""
+        n = len(keys)
         asked = self._ask(wire.PIN, ns, keys, fetch=True, read=True, batch=True)
         if asked is None:
-            self._miss(len(keys))
-            return [False] * len(keys)
-        link, meta, payload = asked
+            self._miss(n)
+            return [False] * n
+        link, _, payload = asked
         size = ns.chunk_bytes
-        found = [False] * len(keys)
-        pins: list[int] = []
-        pos = 0
+        found = [False] * n
+        pairs = wire.unpack_pins(payload, n)
+        arena = link.arena
+        pins: dict[int, None] = {}
+        pos = n * 16
         try:
-            for i, p in enumerate(meta["pins"]):
-                if p == "t":
+            for i in range(n):
+                offset = pairs[2 * i + 1]
+                if offset >= 0:
+                    pins[pairs[2 * i]] = None
+                    views[i][:] = arena[offset:offset + size]
+                    found[i] = True
+                elif offset == wire.IN_TAIL:
                     views[i][:] = payload[pos:pos + size]
                     pos += size
                     found[i] = True
-                elif p is not None:
-                    pins.append(p[0])
-                    views[i][:] = link.view(p[1], size)
-                    found[i] = True
+        except ValueError:  # the link closed under this read (the arena went), or a bad
+            if not link.closed:  # offset that a host pool never sends
+                raise
+            self._miss(n)
+            return [False] * n
         finally:
             if pins:  # one id per batch (``batch``), repeated for each of its chunks
-                link.unpin_later(list(dict.fromkeys(pins)))
+                link.unpin_later(list(pins))
         hits = sum(found)
-        self._counters.add_many({"dram_hits": len(pins), "fallback_hits": hits - len(pins),
-                                 "misses": len(keys) - hits})
+        self._counters.add_many({"dram_hits": hits - (pos - n * 16) // size,
+                                 "fallback_hits": (pos - n * 16) // size,
+                                 "misses": n - hits})
         return found
 
     def pin_many(self, ns: Namespace, keys: Sequence[bytes],
@@ -462,11 +472,11 @@ class AttachedPool:
         if asked is None:
             self._miss(len(keys))
             return [None] * len(keys)
-        link, meta, _ = asked
-        size = ns.chunk_bytes
-        return [None if p is None else
-                AttachedView(link, p[0], link.view(p[1], size).toreadonly())
-                for p in meta["pins"]]
+        link, _, payload = asked
+        size, pairs = ns.chunk_bytes, wire.unpack_pins(payload, len(keys))
+        return [AttachedView(link, pin, link.view(offset, size).toreadonly())
+                if offset >= 0 else None
+                for pin, offset in zip(pairs[::2], pairs[1::2], strict=True)]
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> Future[int] | None:
         """Ask the host pool to move the leading run of ``keys`` up into its DRAM (its

@@ -34,17 +34,20 @@ class Link:
     def __init__(self, host: HostConfig, token: str | None) -> None:
         assert host.socket is not None
         self._host = host
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the socket: one request and its answer at a time
         self.closed = False
-        self._unpins: list[int] = []  # released pins not yet told to the host pool
-        self._unpins_due = threading.Condition(self._lock)
+        #: Released pins not yet told to the host pool, under a lock of their own: the
+        #: flusher never waits for the socket lock a request holds through its round trip
+        #: (waiting there, it was handed the GIL at every answer: 116 us a read).
+        self._unpins: list[int] = []
+        self._unpins_due = threading.Condition()
         self._flusher_idle = False  # the flusher waits for unpins with no deadline
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(host.connect_timeout_s)
             self.sock.connect(host.socket)
-            wire.send_frame(self.sock, {"op": wire.HELLO, "token": token,
-                                        "tenant": host.tenant})
+            wire.send_frame(self.sock, {"op": wire.HELLO, "version": wire.VERSION,
+                                        "token": token, "tenant": host.tenant})
             meta, _, fds = wire.recv_frame(self.sock, 0, want_fds=1)
         except (OSError, ConnectionError) as exc:
             self.sock.close()
@@ -73,6 +76,8 @@ class Link:
         self.sock.settimeout(host.request_timeout_s)
         threading.Thread(target=self._flush_unpins, name="kvpool-host-unpin",
                          daemon=True).start()
+        #: The whole arena: slots are slices of it (no memoryview of the mapping per slot).
+        self.arena = memoryview(self.mapping)
         self.address = map_address(self.mapping)
         self.cuda = host.cuda_register == "auto" and \
             register_host_memory(self.address, self.arena_bytes)
@@ -82,23 +87,26 @@ class Link:
         host pool never sends one)."""
         if offset < 0 or offset + nbytes > self.arena_bytes:
             raise ValueError(f"slot [{offset}, {offset + nbytes}) outside the arena")
-        return memoryview(self.mapping)[offset:offset + nbytes]
+        return self.arena[offset:offset + nbytes]
 
     def call(self, meta: dict[str, Any], tail: wire.Bytes = b"",
              parts: list[tuple[dict[str, Any], wire.Bytes]] | None = None
              ) -> tuple[dict[str, Any], bytearray]:
-        """Send the pending unpins and ``parts`` (frames with no answer), then the request,
-        in one write where they are small; its answer. Detached on a socket failure (the
-        link is closed)."""
+        """Send ``parts`` (frames with no answer), then the request carrying the pending
+        unpins, in one write where they are small; its answer. Detached on a socket failure
+        (the link is closed)."""
         with self._lock:
             if self.closed:
                 raise Detached("the host pool connection is closed")
-            frames = list(parts or ())
             if self._unpins:
-                frames.insert(0, ({"op": wire.UNPIN, "ids": self._unpins}, b""))
-                self._unpins = []
+                with self._unpins_due:
+                    meta = {**meta, wire.UNPIN_FIELD: self._unpins}
+                    self._unpins = []
             try:
-                wire.send_frames(self.sock, [*frames, (meta, tail)])
+                if parts:
+                    wire.send_frames(self.sock, [*parts, (meta, tail)])
+                else:
+                    wire.send_frame(self.sock, meta, tail)
                 answer, payload, _ = wire.recv_frame(self.sock, self._host.max_frame_bytes)
             except (OSError, ConnectionError) as exc:
                 self._close_locked()
@@ -115,7 +123,7 @@ class Link:
         host pool per read instead of two). The flusher is woken only when it sleeps with
         nothing to do (a wake-up per read cost the reading thread the GIL). Pins of a
         closed link were released by the host pool already."""
-        with self._lock:
+        with self._unpins_due:
             if self.closed:
                 return
             self._unpins.extend(ids)
@@ -128,20 +136,20 @@ class Link:
         ``host.unpin_delay_s`` (a request takes the list and leaves a new one, so a list
         still there after the wait waited that long); ends when the link closes."""
         delay = self._host.unpin_delay_s
-        with self._lock:
-            while not self.closed:
-                pending = self._unpins
-                if not pending:
+        while True:
+            with self._unpins_due:
+                while not self._unpins and not self.closed:
                     self._flusher_idle = True
                     self._unpins_due.wait()
-                    continue
-                self._unpins_due.wait(delay)
-                if self._unpins is pending and pending and not self.closed:
-                    self._unpins = []
-                    try:
-                        wire.send_frame(self.sock, {"op": wire.UNPIN, "ids": pending})
-                    except OSError:
-                        self._close_locked()
+                pending = self._unpins
+                if not self.closed:
+                    self._unpins_due.wait(delay)
+                if self.closed:
+                    return
+                if self._unpins is not pending:
+                    continue  # a request carried them
+                self._unpins = []
+            self.send({"op": wire.UNPIN, "ids": pending})
 
     def send(self, meta: dict[str, Any], tail: wire.Bytes = b"") -> None:
         """A frame with no answer (unpin, abort, put); a failure detaches quietly."""
@@ -157,11 +165,13 @@ class Link:
         if self.closed:
             return
         self.closed = True
-        self._unpins_due.notify_all()
+        with self._unpins_due:
+            self._unpins_due.notify_all()
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.cuda:
             unregister_host_memory(self.address)
+        self.arena.release()  # slices of it still held keep the mapping alive
         with contextlib.suppress(BufferError):
             self.mapping.close()  # views still held keep it mapped until released
 

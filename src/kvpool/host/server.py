@@ -203,6 +203,10 @@ class HostServer:
                 raise AttachRefused(f"uid {uid} may not attach (host.allowed_uids)")
             if meta.get("op") != wire.HELLO:
                 raise AttachRefused("the first request must be hello")
+            if meta.get("version") != wire.VERSION:
+                raise AttachRefused(
+                    f"the engine speaks host wire version {meta.get('version')}, this host "
+                    f"pool {wire.VERSION}: run the same kvpool release in both")
             token, tenant = meta.get("token"), meta.get("tenant")
             name = tenant_for(self.config, token if isinstance(token, str) else None,
                               tenant if isinstance(tenant, str) else "")

@@ -41,6 +41,11 @@ class _BatchPin:
             view.release()
 
 
+#: A pin answer's pair for a key not pinned, and for one carried in the answer's tail.
+_MISSED = (0, wire.MISS)
+_CARRIED = (0, wire.IN_TAIL)
+
+
 class Refused(KVPoolError):
     """A request this connection may not make; answered ``ok: false``."""
 
@@ -93,6 +98,8 @@ class Session:
         op = meta.get("op")
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
         try:
+            if wire.UNPIN_FIELD in meta:  # pins released before this request
+                self._op_unpin({"ids": meta[wire.UNPIN_FIELD]}, tail)
             if handler is None:
                 raise Refused(f"unknown op {op!r}")
             answer: Answer | None = handler(meta, tail)
@@ -142,28 +149,29 @@ class Session:
                                  fetch=bool(meta.get("fetch")))
         for i, view in zip(ask, got, strict=True):
             views[i] = view
-        out: list[Any] = []
+        out: list[tuple[int, int]] = []
         for view in views:
             if view is None:
-                out.append(None)
+                out.append(_MISSED)
             elif self.held >= self._max_held:
                 view.release()
-                out.append(None)
+                out.append(_MISSED)
             else:
                 pin = self._id()
                 self._pins[pin] = view
-                out.append([pin, view.offset])
+                out.append((pin, view.offset))
         return self._with_reads(meta, ns, keys, out, own)
 
-    def _pin_batch(self, ns: Namespace, keys: list[bytes], fetch: bool) -> list[Any] | None:
+    def _pin_batch(self, ns: Namespace, keys: list[bytes],
+                   fetch: bool) -> list[tuple[int, int]] | None:
         """``pin`` with ``batch``: one pin id for every chunk pinned (the engine unpins them
         together), the resident ones under one DRAM lock (``pin_resident``), then, with
-        ``fetch``, the others read from lower tiers into free slots. The answer's ``pins``
-        entries (None, or [pin id, arena offset]); None without a DRAM tier."""
-        batch = self.pool.pin_resident(ns, keys)
+        ``fetch``, the others read from lower tiers into free slots. The answer's pairs
+        (pin id, arena offset), ``_MISSED`` for the others; None without a DRAM tier."""
+        batch = self.pool.pin_resident(ns, keys, views=False)
         if batch is None:
             return None
-        offsets = batch.offsets()
+        offsets = list(batch.offsets)
         missing = [i for i, off in enumerate(offsets) if off is None]
         fetched: list[PinnedView] = []
         if missing and fetch:
@@ -175,27 +183,31 @@ class Session:
         held = _BatchPin(batch, fetched)
         if not held.count:
             held.release()
-            return [None] * len(keys)
+            return [_MISSED] * len(keys)
         pin = self._id()
         self._pins[pin] = held
         self._batched += held.count - 1
-        return [None if off is None else [pin, off] for off in offsets]
+        return [_MISSED if off is None else (pin, off) for off in offsets]
 
     def _with_reads(self, meta: dict[str, Any], ns: Namespace, keys: list[bytes],
-                    out: list[Any], own: list[bool]) -> Answer:
-        """The pin answer; with ``read``, the chunks left unpinned read into its tail."""
-        payload = bytearray()
+                    out: list[tuple[int, int]], own: list[bool]) -> Answer:
+        """The pin answer: ``n`` pairs in the tail (``wire.pack_pins``); with ``read``, the
+        chunks left unpinned read into the tail after them (offset ``wire.IN_TAIL``), in
+        key order, as many as fit in the peer's frame limit."""
+        payload: list[bytearray] = []
         if meta.get("read"):
-            fit = self._max_payload // ns.chunk_bytes
-            missing = [i for i, v in enumerate(out) if v is None and not own[i]][:fit]
+            room = self._max_payload - len(out) * 16
+            fit = max(room, 0) // ns.chunk_bytes
+            missing = [i for i, v in enumerate(out) if v[1] == wire.MISS and not own[i]][:fit]
             if missing:
                 scratch = [bytearray(ns.chunk_bytes) for _ in missing]
                 found = self.pool.get_many_into(ns, [keys[i] for i in missing], scratch)
                 for i, buf, hit in zip(missing, scratch, found, strict=True):
                     if hit:
-                        out[i] = "t"
-                        payload += buf
-        return {"ok": True, "pins": out}, payload
+                        out[i] = _CARRIED
+                        payload.append(buf)
+        pairs = wire.pack_pins(out)
+        return {"ok": True, "n": len(out)}, b"".join([pairs, *payload]) if payload else pairs
 
     def _op_unpin(self, meta: dict[str, Any], tail: bytearray) -> None:
         for pin in self._ids(meta):

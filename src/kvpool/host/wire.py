@@ -1,9 +1,13 @@
 """Frames on the host pool's Unix socket: a struct header, JSON metadata, a binary tail.
 
 A frame is ``<II`` (metadata length, tail length), the metadata (a UTF-8 JSON object: the
-op and its small arguments, or an answer), then the tail: 16-byte keys back to back, or a
-payload on the rare byte fallbacks. JSON and raw bytes only: nothing read from a peer is
-ever unpickled. The attach answer carries the arena's file descriptor (SCM_RIGHTS).
+op and its small arguments, or an answer), then the tail: 16-byte keys back to back, a pin
+answer's (pin id, arena offset) pairs as native int64 (``pack_pins``: per-key data stays
+out of JSON, which cost more than the pins themselves on a 64-key read), or a payload on
+the rare byte fallbacks. JSON and raw bytes only: nothing read from a peer is ever
+unpickled. The attach answer carries the arena's file descriptor (SCM_RIGHTS). Both ends
+speak ``VERSION``: a HELLO of another version is refused with a message saying so (the
+engine and its host pool run one kvpool release).
 
 Failure contract: ``recv_frame`` raises ``WireError`` for a malformed or oversized frame and
 ``ConnectionError`` when the peer is gone (EOF mid-frame included); a socket timeout is
@@ -21,6 +25,8 @@ from typing import Any
 from kvpool.keys import KEY_BYTES
 
 HEADER = struct.Struct("<II")
+#: The frame layout's version, sent in HELLO; the host pool refuses any other.
+VERSION = 2
 #: Metadata is small (op names, ints, offsets): this bounds what a peer can make us parse.
 MAX_META_BYTES = 8 << 20
 
@@ -44,6 +50,15 @@ TOUCH = "touch"
 FLUSH = "flush"
 STATS = "stats"
 NO_ANSWER = frozenset({UNPIN, ABORT})
+#: A request may carry ``"unpin": [ids]``: pins released before it is served (the engine's
+#: pending unpins ride on its next request instead of a frame of their own).
+UNPIN_FIELD = "unpin"
+
+#: A pin answer's offset for a chunk that is not pinned: a miss, or (``IN_TAIL``) a chunk
+#: whose bytes follow the pairs in the answer's tail (a ``read`` fallback).
+MISS = -1
+IN_TAIL = -2
+_PAIR = 16  # pin id, offset: two int64
 
 
 class WireError(ConnectionError):
@@ -64,6 +79,20 @@ def unpack_keys(tail: Bytes, count: int) -> list[bytes]:
         raise WireError(f"{len(tail)} key bytes for {count} keys")
     raw = bytes(tail)
     return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+
+def pack_pins(pairs: Sequence[tuple[int, int]]) -> bytes:
+    """A pin answer's per-key (pin id, arena offset or MISS / IN_TAIL), as native int64s."""
+    flat = [x for pair in pairs for x in pair]
+    return struct.pack(f"{len(flat)}q", *flat)
+
+
+def unpack_pins(tail: Bytes, count: int) -> list[int]:
+    """The flat [pin, offset, pin, offset, ...] of a pin answer for ``count`` keys (the
+    tail's first ``16 * count`` bytes); WireError when the tail is shorter."""
+    if count < 0 or len(tail) < count * _PAIR:
+        raise WireError(f"{len(tail)} answer bytes for {count} pins")
+    return memoryview(tail)[:count * _PAIR].cast("q").tolist()
 
 
 def encode(meta: dict[str, Any], tail: Bytes = b"") -> tuple[bytes, Bytes]:

@@ -332,33 +332,45 @@ class DramTier:
             elif entry.pins == 0 and self._waiters:
                 self._cond.notify_all()
 
-    def pin_batch(self, keys: Sequence[bytes], namespace_id: bytes) -> PinnedBatch:
+    def pin_batch(self, keys: Sequence[bytes], namespace_id: bytes,
+                  views: bool = True) -> PinnedBatch:
         """``view`` for a batch under one lock acquisition and without a PinnedView per key
         (a storage node's GET): each resident chunk stored under ``namespace_id`` is pinned,
         counted as a hit and touched in its policy, as ``view`` does; the others are None
-        and, as with ``count_miss=False``, not counted. Release the batch once its views
-        are sent. Raises PoolClosedError after close."""
-        views: list[memoryview | None] = []
+        and, as with ``count_miss=False``, not counted. Without ``views`` only the slots'
+        offsets are kept (a host pool's engines read them through their own mapping).
+        Release the batch once its views are sent. Raises PoolClosedError after close."""
+        offsets: list[int | None] = []
         pinned: list[_Entry] = []
-        arena, retention = self._arena, self._retention
+        retention = self._retention
         with self._lock:
             self._check_open()
             get = self._entries.get
+            # The TTL check only where some chunk has retention (hoisted: a batch is read
+            # at one moment), the policy looked up once per slot size.
+            expired = retention.expired if retention is not None and (
+                retention.any_expired or retention.entries) else None
+            size, policy = -1, None
             for key in keys:
                 entry = get(key)
                 if entry is None or entry.ns.id != namespace_id or (
-                        retention is not None
-                        and (retention.any_expired or key in retention.entries)
-                        and retention.expired(key)):
-                    views.append(None)  # absent, another namespace's, or its TTL passed
+                        expired is not None and expired(key)):
+                    offsets.append(None)  # absent, another namespace's, or its TTL passed
                     continue
                 entry.pins += 1
                 entry.hits += 1
-                self._policy(entry.slot_size).touch(key)
+                if entry.slot_size != size:
+                    size, policy = entry.slot_size, self._policy(entry.slot_size)
+                policy.touch(key)  # type: ignore[union-attr]
                 pinned.append(entry)
-                views.append(arena.view(entry.offset, entry.nbytes).toreadonly())
+                offsets.append(entry.offset)
             self._counters["hits"] += len(pinned)
-        return PinnedBatch(self, pinned, views)
+            if not views:
+                return PinnedBatch(self, pinned, offsets, [])
+            arena, entries = self._arena, iter(pinned)
+            return PinnedBatch(self, pinned, offsets, [
+                None if off is None else arena.view(off, next(entries).nbytes).toreadonly()
+                for off in offsets])
 
     def unpin_batch(self, entries: Sequence[_Entry]) -> None:
         """Give back the pins of ``pin_batch`` (PinnedBatch.release), under one lock."""

@@ -57,28 +57,24 @@ class PinnedView:
 
 
 class PinnedBatch:
-    """The read-only views of a batch of DRAM slots pinned under one lock acquisition
-    (``DramTier.pin_batch``): ``views[i]`` for key i, None where it was not resident. One
-    object per batch, not per key (a storage node's GET path). The slots cannot be evicted or
-    reused until ``release()`` (idempotent; also run when collected); using a view after
-    that is a bug."""
+    """The slots of a batch pinned under one lock acquisition (``DramTier.pin_batch``):
+    ``offsets[i]`` where key i's slot starts in the arena, ``views[i]`` a read-only view of
+    it (``views`` is empty when the batch was pinned for its offsets only), None where the
+    key was not resident. One object per batch, not per key (a storage node's GET, a host
+    pool's attached reads). The slots cannot be evicted or reused until ``release()``
+    (idempotent; also run when collected); using a view or an offset after that is a bug."""
 
-    __slots__ = ("_entries", "_tier", "views")
+    __slots__ = ("_entries", "_tier", "offsets", "views")
 
-    def __init__(self, tier: DramTier, entries: list[_Entry],
+    def __init__(self, tier: DramTier, entries: list[_Entry], offsets: list[int | None],
                  views: list[memoryview | None]) -> None:
-        self._tier, self._entries, self.views = tier, entries, views
+        self._tier, self._entries = tier, entries
+        self.offsets, self.views = offsets, views
 
     @property
     def pinned(self) -> int:
         """How many of the keys are pinned (resident)."""
         return len(self._entries)
-
-    def offsets(self) -> list[int | None]:
-        """Per key: where its pinned slot starts in the arena (a host pool tells attached
-        engines), None where it was not resident."""
-        entries = iter(self._entries)
-        return [None if view is None else next(entries).offset for view in self.views]
 
     def release(self) -> None:
         entries, self._entries = self._entries, []
