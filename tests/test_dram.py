@@ -139,7 +139,13 @@ def test_a_batch_pin_holds_its_slots_until_released_and_counts_like_views() -> N
     tier.put(k(3), other, payload_for(k(3)))
     batch = tier.pin_batch([k(0), k(9), k(3), k(2)], ns.id)  # absent; another namespace's
     assert batch.pinned == 2 and [v is None for v in batch.views] == [False, True, True, False]
+    assert [o is None for o in batch.offsets] == [False, True, True, False]
     assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 0  # misses not counted
+    # Offsets only (a host pool's attached read): the same slots, pinned and counted alike.
+    offsets_only = tier.pin_batch([k(2), k(9)], ns.id, views=False)
+    assert offsets_only.views == [] and offsets_only.offsets == [batch.offsets[3], None]
+    assert offsets_only.pinned == 1 and tier.stats()["hits"] == 3
+    offsets_only.release()
     for i in range(4, 8):  # evicts everything but the two pinned slots
         tier.put(k(i), ns, payload_for(k(i)))
     assert tier.contains(k(0)) and tier.contains(k(2))

@@ -141,6 +141,11 @@ def test_ttl_makes_a_chunk_a_miss_in_every_tier(tmp_path: Path) -> None:
         pool.flush()
         assert pool.lookup(ns, short) == 4 and all(readable(pool, ns, short))
         time.sleep(0.4)
+        # A batch pin (a node's GET, an attached read) checks the TTL of chunks still in DRAM.
+        batch = pool.pin_resident(ns, short + long_, views=False)
+        assert batch is not None and batch.offsets[:4] == [None] * 4
+        assert None not in batch.offsets[4:] and batch.pinned == 4
+        batch.release()
         assert pool.lookup(ns, short) == 0
         assert not any(pool.contains_many(ns, short))
         assert not any(readable(pool, ns, short))  # not from the SSD's copy either
