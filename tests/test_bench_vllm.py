@@ -46,10 +46,14 @@ def test_the_engine_label_is_what_ran(tmp_path: Path,
                                       fake_engines: list[dict[str, Any]]) -> None:
     ran = fake_engines
     report = bench.run_vllm_bench(quick=True, repeats=1, work=tmp_path)
-    # every mode, then the cross-instance case's engines A and B (no TP=2 with --quick)
-    assert len(ran) == len(bench.MODES) + 2
+    # every mode, then the cross-instance case's recompute and engines A and B, in float32
+    # (no TP=2 with --quick)
+    assert len(ran) == len(bench.MODES) + 3
+    assert ran[-3]["connector"] is None and ran[-3]["prompts"] == ran[-1]["prompts"]
     assert [s["connector"]["extra"]["config"]["host"] for s in ran[-2:]] == \
         [{"socket": str(tmp_path / "cross_instance" / "host" / "host.sock")}] * 2
+    assert [s.get("dtype") for s in ran[-3:]] == ["float32"] * 3
+    assert all("dtype" not in s for s in ran[:-3])
     assert report["engine"] == "vllm 9.8.7 on cpu (float32, eager)"
     assert report["modes"]["kvpool"]["engine"]["model"] == str(tmp_path / "model")
     assert report["ratios"]["ttft_hit_vs_recompute"] == pytest.approx(0.2)
