@@ -195,9 +195,10 @@ def _host_cases(python: str, base: dict[str, Any], lengths: tuple[int, ...], per
                 "cache_dir": str(work / case / "engine-cache"), "host": {"socket": sock}}}
             conn = {"name": "kvpool", "extra": extra}
             runs = {}
-            order: list[tuple[str, dict[str, Any] | None, list[list[int]]]] = \
-                [("recompute", None, prompts_of_case)] if engine else []
-            order += [("a", conn, firsts), ("b", conn, prompts_of_case)]
+            # every case has an engine shape of its own, so a recompute of its own
+            order: list[tuple[str, dict[str, Any] | None, list[list[int]]]] = [
+                ("recompute", None, prompts_of_case), ("a", conn, firsts),
+                ("b", conn, prompts_of_case)]
             for mode, connector, prompts in order:
                 print(f"[bench vllm] {case} {mode}: {len(prompts)} requests", file=sys.stderr,
                       flush=True)
@@ -211,10 +212,9 @@ def _host_cases(python: str, base: dict[str, Any], lengths: tuple[int, ...], per
                              "connector_counters": (b.get("connector_stats") or {}).get(
                                  "counters")},
                        "b_token_ids": [o["token_ids"] for o in b["outputs"]]}
-        if "recompute" in runs:
-            r = runs["recompute"]
-            cases[case]["recompute"] = {"ttft": _ttft_rows(r["outputs"], lengths, per_doc)}
-            cases[case]["recompute_token_ids"] = [o["token_ids"] for o in r["outputs"]]
+        r = runs["recompute"]
+        cases[case]["recompute"] = {"ttft": _ttft_rows(r["outputs"], lengths, per_doc)}
+        cases[case]["recompute_token_ids"] = [o["token_ids"] for o in r["outputs"]]
     return cases
 
 

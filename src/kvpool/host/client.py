@@ -430,7 +430,8 @@ class AttachedPool:
         pairs = wire.unpack_pins(payload, n)
         arena = link.arena
         pins: dict[int, None] = {}
-        pos = n * 16
+        pos = n * wire.PAIR_BYTES  # the carried chunks follow the pairs
+        carried = 0
         try:
             for i in range(n):
                 offset = pairs[2 * i + 1]
@@ -441,6 +442,7 @@ class AttachedPool:
                 elif offset == wire.IN_TAIL:
                     views[i][:] = payload[pos:pos + size]
                     pos += size
+                    carried += 1
                     found[i] = True
         except ValueError:  # the link closed under this read (the arena went), or a bad
             if not link.closed:  # offset that a host pool never sends
@@ -451,8 +453,7 @@ class AttachedPool:
             if pins:  # one id per batch (``batch``), repeated for each of its chunks
                 link.unpin_later(list(pins))
         hits = sum(found)
-        self._counters.add_many({"dram_hits": hits - (pos - n * 16) // size,
-                                 "fallback_hits": (pos - n * 16) // size,
+        self._counters.add_many({"dram_hits": hits - carried, "fallback_hits": carried,
                                  "misses": n - hits})
         return found
 

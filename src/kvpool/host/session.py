@@ -88,10 +88,10 @@ class Session:
         except wire.WireError as exc:
             raise Refused(str(exc)) from None
 
-    def _ids(self, meta: dict[str, Any]) -> list[int]:
-        ids = meta.get("ids")
+    def _ids(self, meta: dict[str, Any], field: str = "ids") -> list[int]:
+        ids = meta.get(field)
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise Refused("ids must be a list of integers")
+            raise Refused(f"{field} must be a list of integers")
         return ids
 
     def handle(self, meta: dict[str, Any], tail: bytearray) -> Answer | None:
@@ -99,7 +99,7 @@ class Session:
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
         try:
             if wire.UNPIN_FIELD in meta:  # pins released before this request
-                self._op_unpin({"ids": meta[wire.UNPIN_FIELD]}, tail)
+                self._unpin(self._ids(meta, wire.UNPIN_FIELD))
             if handler is None:
                 raise Refused(f"unknown op {op!r}")
             answer: Answer | None = handler(meta, tail)
@@ -196,7 +196,7 @@ class Session:
         key order, as many as fit in the peer's frame limit."""
         payload: list[bytearray] = []
         if meta.get("read"):
-            room = self._max_payload - len(out) * 16
+            room = self._max_payload - len(out) * wire.PAIR_BYTES
             fit = max(room, 0) // ns.chunk_bytes
             missing = [i for i, v in enumerate(out) if v[1] == wire.MISS and not own[i]][:fit]
             if missing:
@@ -210,7 +210,10 @@ class Session:
         return {"ok": True, "n": len(out)}, b"".join([pairs, *payload]) if payload else pairs
 
     def _op_unpin(self, meta: dict[str, Any], tail: bytearray) -> None:
-        for pin in self._ids(meta):
+        self._unpin(self._ids(meta))
+
+    def _unpin(self, ids: list[int]) -> None:
+        for pin in ids:
             view = self._pins.pop(pin, None)
             if isinstance(view, _BatchPin):
                 self._batched -= view.count - 1

@@ -58,7 +58,9 @@ UNPIN_FIELD = "unpin"
 #: whose bytes follow the pairs in the answer's tail (a ``read`` fallback).
 MISS = -1
 IN_TAIL = -2
-_PAIR = 16  # pin id, offset: two int64
+#: Bytes of one (pin id, offset) pair: a pin answer's tail holds ``n`` of them, then the
+#: carried chunks' bytes.
+PAIR_BYTES = 16
 
 
 class WireError(ConnectionError):
@@ -90,9 +92,9 @@ def pack_pins(pairs: Sequence[tuple[int, int]]) -> bytes:
 def unpack_pins(tail: Bytes, count: int) -> list[int]:
     """The flat [pin, offset, pin, offset, ...] of a pin answer for ``count`` keys (the
     tail's first ``16 * count`` bytes); WireError when the tail is shorter."""
-    if count < 0 or len(tail) < count * _PAIR:
+    if count < 0 or len(tail) < count * PAIR_BYTES:
         raise WireError(f"{len(tail)} answer bytes for {count} pins")
-    return memoryview(tail)[:count * _PAIR].cast("q").tolist()
+    return memoryview(tail)[:count * PAIR_BYTES].cast("q").tolist()
 
 
 def encode(meta: dict[str, Any], tail: Bytes = b"") -> tuple[bytes, Bytes]:
