@@ -43,6 +43,7 @@ from kvpool.integrations.vllm.layout import (
     make_namespace,
 )
 from kvpool.integrations.vllm.lookup import LookupServer
+from kvpool.integrations.vllm.pages import PageMap, load_pages, page_map
 from kvpool.integrations.vllm.plan import ReqTransfer
 from kvpool.integrations.vllm.saves import Saves
 from kvpool.integrations.vllm.settings import ConnectorSettings
@@ -56,11 +57,12 @@ log = logging.getLogger("kvpool.integrations.vllm")
 
 
 class _Fetched:
-    """A step's loads once read: per chunk (pages, source page index or None for all,
-    destination blocks), plus the pool's load handle to release after the copies."""
+    """A step's loads once read: per chunk (its pages ``[layers, pages, *page_shape]``, where
+    they go among the engine's blocks), plus the pool's load handle to release after the
+    copies."""
 
     def __init__(self) -> None:
-        self.copies: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.copies: list[tuple[torch.Tensor, PageMap]] = []
         self.handle: LoadHandle | None = None
 
 
@@ -181,12 +183,8 @@ class WorkerSide:
                     self._load_errors.update(ids)
                     self._failed_reqs.add(req.req_id)
                     continue
-                pos = [j for j, b in enumerate(chunk.block_ids) if b >= 0]
-                src_idx = None if len(pos) == len(chunk.block_ids) \
-                    else torch.tensor(pos, dtype=torch.long)
-                dst_idx = torch.tensor([chunk.block_ids[j] for j in pos], dtype=torch.long)
-                fetched.copies.append((src, src_idx, dst_idx))
-                loaded_tokens += len(pos) * self.settings.block_size
+                fetched.copies.append((src, page_map(chunk.block_ids)))
+                loaded_tokens += sum(b >= 0 for b in chunk.block_ids) * self.settings.block_size
         self.stats.add(loaded_tokens=loaded_tokens, loaded_chunks=len(fetched.copies),
                        load_failed_chunks=bad_chunks, load_failed_blocks=bad_blocks)
         return fetched
@@ -202,11 +200,8 @@ class WorkerSide:
         self._copied[pos] = True
         assert self._geom is not None
         kv = self._kv[self._geom.layer_names[pos]]
-        for pages, src_idx, dst_idx in fetched.copies:
-            src = pages[pos] if src_idx is None else pages[pos].index_select(0, src_idx)
-            if kv.device != src.device:  # accelerator: one host-to-device copy
-                src, dst_idx = src.to(kv.device), dst_idx.to(kv.device)
-            kv.index_copy_(0, dst_idx, src)
+        for pages, where in fetched.copies:
+            load_pages(kv, pages[pos], where)
 
     def wait_layer(self, layer_name: str) -> None:
         """Wait for the reads, then copy this layer's pages (just before its attention)."""
