@@ -163,3 +163,32 @@ def test_two_tenants_on_one_host_pool_see_only_their_own_chunks(tmp_path: Path) 
         b.close()
     finally:
         host.stop()
+
+
+def test_a_paused_host_pool_costs_misses_after_the_request_timeout_then_serves_again(
+        tmp_path: Path) -> None:
+    """SIGSTOP, not SIGKILL: the socket stays open and nothing answers. The engine's read
+    gives up at host.request_timeout_s (misses, not a hang, not an error), and once the host
+    pool runs again the engine attaches again and hits what it stored before."""
+    data = host_config(tmp_path, host={"request_timeout_s": 1.0})
+    host = start_host(tmp_path, data)
+    pool = AttachedPool(engine_config(data))
+    try:
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 3, 4)
+        assert pool.put_many(ns, keys, datas) == 4
+        outs = [np.empty_like(d) for d in datas]
+        assert host.proc is not None
+        os.kill(host.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert pool.get_many_into(ns, keys, outs) == [False] * 4
+            assert time.monotonic() - started < 10
+        finally:
+            os.kill(host.proc.pid, signal.SIGCONT)
+        wait_for(lambda: pool.get_many_into(ns, keys, outs) == [True] * 4, 20,
+                 "hits again once the host pool runs")
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
+    finally:
+        pool.close()
+        host.stop()

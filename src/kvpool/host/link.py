@@ -73,7 +73,8 @@ class Link:
             raise Detached(f"cannot map the host pool's arena: {exc}") from None
         finally:
             socket.close(fds[0])
-        self.sock.settimeout(host.request_timeout_s)
+        wire.set_kernel_timeouts(self.sock, host.request_timeout_s)
+        self._reader = wire.FrameReader(self.sock)
         threading.Thread(target=self._flush_unpins, name="kvpool-host-unpin",
                          daemon=True).start()
         #: The whole arena: slots are slices of it (no memoryview of the mapping per slot).
@@ -107,7 +108,7 @@ class Link:
                     wire.send_frames(self.sock, [*parts, (meta, tail)])
                 else:
                     wire.send_frame(self.sock, meta, tail)
-                answer, payload, _ = wire.recv_frame(self.sock, self._host.max_frame_bytes)
+                answer, payload = self._reader.read(self._host.max_frame_bytes)
             except (OSError, ConnectionError) as exc:
                 self._close_locked()
                 raise Detached(f"host pool connection lost: {exc}") from None

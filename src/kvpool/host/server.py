@@ -237,9 +237,10 @@ class HostServer:
 
         try:
             session = self._attach(conn)
+            reader = wire.FrameReader(conn)
             while session is not None and not self._stopped.is_set():
-                meta, tail, _ = wire.recv_frame(conn, host.max_frame_bytes, admit=admit,
-                                                body_timeout_s=host.request_timeout_s)
+                meta, tail = reader.read(host.max_frame_bytes, admit=admit,
+                                         body_timeout_s=host.request_timeout_s)
                 answer = session.handle(meta, tail)
                 del tail
                 if taken:

@@ -16,10 +16,11 @@ Failure contract: ``recv_frame`` raises ``WireError`` for a malformed or oversiz
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvpool.keys import KEY_BYTES
@@ -130,14 +131,18 @@ def send_frames(sock: socket.socket, frames: Sequence[tuple[dict[str, Any], Byte
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+    _recv_into(sock, memoryview(buf))
+    return buf
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError at EOF."""
+    got, n = 0, len(view)
     while got < n:
         r = sock.recv_into(view[got:], n - got)
         if r == 0:
             raise ConnectionError("peer closed the connection")
         got += r
-    return buf
 
 
 #: A frame larger than this (metadata + tail) is "large": ``recv_frame``'s ``admit`` is asked
@@ -149,10 +154,9 @@ def recv_frame(sock: socket.socket, max_tail: int, want_fds: int = 0,
                admit: Callable[[int], None] | None = None,
                body_timeout_s: float | None = None
                ) -> tuple[dict[str, Any], bytearray, list[int]]:
-    """One frame: (metadata, tail, file descriptors received with it). For a large frame
-    (over ``LARGE_FRAME``), ``admit(size)`` is called before its body is read (it raises,
-    e.g. WireError, to refuse it; the caller gives the bytes back once it is done with the
-    frame) and, with ``body_timeout_s``, a body that does not arrive in time is TimeoutError."""
+    """One frame, read exactly (nothing past it is consumed: the attach exchange, whose
+    answer brings the arena's descriptor): (metadata, tail, file descriptors received with
+    it). ``admit`` and ``body_timeout_s`` as in ``FrameReader.read``."""
     fds: list[int] = []
     if want_fds:
         head, fds, _, _ = socket.recv_fds(sock, HEADER.size, want_fds)
@@ -162,28 +166,125 @@ def recv_frame(sock: socket.socket, max_tail: int, want_fds: int = 0,
             if len(head) < HEADER.size else bytes(head)
     else:
         head = bytes(_recv_exact(sock, HEADER.size))
+    meta_len, tail_len = _sizes(head, max_tail)
+    large = meta_len + tail_len > LARGE_FRAME
+    if large and admit is not None:
+        admit(meta_len + tail_len)
+    with _body_deadline(sock, body_timeout_s if large else None):
+        body = _recv_exact(sock, meta_len)
+        tail = _recv_exact(sock, tail_len) if tail_len else bytearray()
+    return _meta(body), tail, fds
+
+
+def _sizes(head: Bytes, max_tail: int) -> tuple[int, int]:
     meta_len, tail_len = HEADER.unpack(head)
     if meta_len > MAX_META_BYTES or tail_len > max_tail:
         raise WireError(f"frame of {meta_len} + {tail_len} bytes exceeds the limits "
                         f"({MAX_META_BYTES} + {max_tail})")
-    large = meta_len + tail_len > LARGE_FRAME
-    if large and admit is not None:
-        admit(meta_len + tail_len)
-    if large and body_timeout_s is not None:
-        idle = sock.gettimeout()
-        sock.settimeout(body_timeout_s)
-        try:
-            body = _recv_exact(sock, meta_len)
-            tail = _recv_exact(sock, tail_len) if tail_len else bytearray()
-        finally:
-            sock.settimeout(idle)
-    else:
-        body = _recv_exact(sock, meta_len)
-        tail = _recv_exact(sock, tail_len) if tail_len else bytearray()
+    return meta_len, tail_len
+
+
+def _meta(body: bytes | bytearray) -> dict[str, Any]:
     try:
         meta = json.loads(body)
     except ValueError as exc:
         raise WireError(f"metadata is not JSON: {exc}") from None
     if not isinstance(meta, dict):
         raise WireError("metadata is not an object")
-    return meta, tail, fds
+    return meta
+
+
+@contextlib.contextmanager
+def _body_deadline(sock: socket.socket, seconds: float | None) -> Iterator[None]:
+    """The socket's timeout is ``seconds`` inside (unchanged when None)."""
+    if seconds is None:
+        yield
+        return
+    idle = sock.gettimeout()
+    sock.settimeout(seconds)
+    try:
+        yield
+    finally:
+        sock.settimeout(idle)
+
+
+def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Bound every blocking send and receive on ``sock`` by ``seconds`` in the kernel
+    (SO_SNDTIMEO / SO_RCVTIMEO), with Python's own timeout off: one syscall per send or
+    receive instead of a poll before each (a timeout past it raises BlockingIOError, an
+    OSError)."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+class FrameReader:
+    """The frames arriving on one socket, read through a buffer of its own: a small frame
+    (header, metadata and tail) costs one ``recv``, not three, and frames sent back to back
+    are parsed from the same read. One reader per socket, used by one thread at a time.
+
+    Failure contract as ``recv_frame``: WireError (the format or a limit broken),
+    ConnectionError (the peer gone, EOF mid-frame included), OSError from the socket."""
+
+    def __init__(self, sock: socket.socket, buffer_bytes: int = 2 * LARGE_FRAME) -> None:
+        self._sock = sock
+        self._buf = bytearray(buffer_bytes)
+        self._view = memoryview(self._buf)
+        self._start = 0  # the unparsed bytes are _buf[_start:_end]
+        self._end = 0
+
+    def _fill(self, need: int) -> None:
+        """At least ``need`` (<= the buffer's size) unparsed bytes in the buffer."""
+        if self._start + need > len(self._buf):  # move the unparsed bytes to the front
+            kept = self._end - self._start
+            self._buf[:kept] = self._buf[self._start:self._end]
+            self._start, self._end = 0, kept
+        while self._end - self._start < need:
+            got = self._sock.recv_into(self._view[self._end:])
+            if got == 0:
+                raise ConnectionError("peer closed the connection")
+            self._end += got
+
+    def _take(self, n: int) -> bytearray:
+        """Up to ``n`` unparsed bytes already in the buffer (a copy), consumed."""
+        n = min(n, self._end - self._start)
+        out = self._buf[self._start:self._start + n]
+        self._start += n
+        if self._start == self._end:
+            self._start = self._end = 0
+        return out
+
+    def read(self, max_tail: int, admit: Callable[[int], None] | None = None,
+             body_timeout_s: float | None = None) -> tuple[dict[str, Any], bytearray]:
+        """The next frame: (metadata, tail). A large frame (over ``LARGE_FRAME``) calls
+        ``admit(size)`` before its body is read (it raises, e.g. WireError, to refuse it;
+        the caller gives the bytes back once done with the frame) and, with
+        ``body_timeout_s``, a body that does not arrive in time is TimeoutError."""
+        self._fill(HEADER.size)
+        meta_len, tail_len = _sizes(self._view[self._start:self._start + HEADER.size],
+                                    max_tail)
+        self._start += HEADER.size
+        size = meta_len + tail_len
+        if size <= LARGE_FRAME:
+            self._fill(size)
+            meta = _meta(self._take(meta_len))
+            return meta, self._take(tail_len)
+        if admit is not None:
+            admit(size)
+        with _body_deadline(self._sock, body_timeout_s):
+            body = self._take_exact(meta_len)
+            tail = self._take_exact(tail_len)
+        return _meta(body), tail
+
+    def _take_exact(self, n: int) -> bytearray:
+        """``n`` bytes: those in the buffer, the rest received straight into the result."""
+        have = self._end - self._start
+        if have >= n:
+            return self._take(n)
+        out = bytearray(n)
+        out[:have] = self._view[self._start:self._end]
+        self._start = self._end = 0
+        _recv_into(self._sock, memoryview(out)[have:])
+        return out
