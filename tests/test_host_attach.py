@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +229,15 @@ def test_released_pins_reach_the_host_pool_without_another_request(tmp_path: Pat
         wait_for(lambda: writer.put_many(ns, new, new_datas) == 8, 10,
                  "the released slots evictable again")
         assert reader.stats()["host"]["held"] == 0
+        # Again after a pause long enough for the flusher to go to sleep: the release
+        # wakes it.
+        views = reader.pin_many(ns, new)
+        time.sleep(0.5)
+        for v in views:
+            assert v is not None
+            v.release()
+        wait_for(lambda: writer.put_many(ns, old, old_datas) == 8, 10,
+                 "the slots released after a pause evictable again")
     finally:
         reader.close()
         writer.close()
