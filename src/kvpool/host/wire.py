@@ -17,13 +17,14 @@ Failure contract: ``recv_frame`` raises ``WireError`` for a malformed or oversiz
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import socket
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvpool.keys import KEY_BYTES
+from kvpool.keys import KEY_BYTES, split_key_bytes
 
 HEADER = struct.Struct("<II")
 #: The frame layout's version, sent in HELLO; the host pool refuses any other.
@@ -80,14 +81,12 @@ def unpack_keys(tail: Bytes, count: int) -> list[bytes]:
     """``count`` 16-byte keys from ``tail``; WireError if its length disagrees."""
     if count < 0 or len(tail) != count * KEY_BYTES:
         raise WireError(f"{len(tail)} key bytes for {count} keys")
-    raw = bytes(tail)
-    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+    return split_key_bytes(bytes(tail))
 
 
 def pack_pins(pairs: Sequence[tuple[int, int]]) -> bytes:
     """A pin answer's per-key (pin id, arena offset or MISS / IN_TAIL), as native int64s."""
-    flat = [x for pair in pairs for x in pair]
-    return struct.pack(f"{len(flat)}q", *flat)
+    return struct.pack(f"{2 * len(pairs)}q", *itertools.chain.from_iterable(pairs))
 
 
 def unpack_pins(tail: Bytes, count: int) -> list[int]:

@@ -73,12 +73,9 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
-
-import numpy as np
 
 from kvpool.errors import KVPoolError, PinLimitError
-from kvpool.keys import KEY_BYTES
+from kvpool.keys import KEY_BYTES, split_key_bytes
 
 MAGIC = b"KVPN"
 PROTOCOL_VERSION = 1
@@ -199,16 +196,7 @@ def split_keys(meta: bytes | memoryview, count: int) -> tuple[bytes, list[bytes]
         raise ProtocolError(f"metadata of {len(meta)} bytes does not hold a namespace id and "
                             f"{count} keys")
     raw = bytes(meta)
-    if count <= _SLICED_KEYS:  # a GET of a few keys: slices cost less than numpy's setup
-        return raw[:NS_BYTES], [raw[o:o + KEY_BYTES] for o in range(NS_BYTES, len(raw),
-                                                                     KEY_BYTES)]
-    # One numpy pass instead of a Python slice per key (a 512-key EXISTS: ~9 us, not ~50).
-    keys = np.frombuffer(raw, f"V{KEY_BYTES}", offset=NS_BYTES).tolist()
-    return raw[:NS_BYTES], cast(list[bytes], keys)
-
-
-#: Up to this many keys, split_keys slices (crossover measured on the 2-core VM: ~8 keys).
-_SLICED_KEYS = 8
+    return raw[:NS_BYTES], split_key_bytes(raw, NS_BYTES)
 
 
 def split_get_keys(meta: bytes | memoryview,

@@ -34,7 +34,7 @@ from kvpool.config import Config, SsdConfig
 from kvpool.counters import Counters
 from kvpool.errors import PoolClosedError
 from kvpool.events.sink import TierEvents
-from kvpool.keys import KEY_BYTES, Namespace
+from kvpool.keys import KEY_BYTES, Namespace, split_key_bytes
 from kvpool.policy import make_segment_policy
 from kvpool.record import (
     BLOCK,
@@ -411,7 +411,7 @@ class SsdEngine:
         payload = (blocks[order].astype(np.int64) - 1) * BLOCK
         taken = int(np.searchsorted(np.cumsum(payload), max_bytes, side="right"))
         raw = keys[order[:taken][::-1]].tobytes()
-        return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+        return split_key_bytes(raw)
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 
-from kvpool.keys import KEY_BYTES
+from kvpool.keys import KEY_BYTES, split_key_bytes
 
 log = logging.getLogger("kvpool.integrations.vllm")
 
@@ -86,7 +86,7 @@ class LookupServer:
                     if n > MAX_KEYS:
                         raise ValueError(f"lookup of {n} keys refused")
                     raw = _recv_exact(conn, n * KEY_BYTES)
-                    keys = [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+                    keys = split_key_bytes(raw)
                     hits = self._lookup_fn(keys)
                     conn.sendall(_U32.pack(hits))
                 except (OSError, ConnectionError, ValueError):
