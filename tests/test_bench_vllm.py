@@ -54,6 +54,16 @@ def test_the_engine_label_is_what_ran(tmp_path: Path,
         [{"socket": str(tmp_path / "cross_instance" / "host" / "host.sock")}] * 2
     assert [s.get("dtype") for s in ran[-3:]] == ["float32"] * 3
     assert all("dtype" not in s for s in ran[:-3])
+    # the hit modes run more requests per document, the recompute mode's prompts first
+    recompute, hit_modes = ran[0], ran[1:len(bench.MODES)]
+    per_doc, hit_per_doc = 2, bench.HIT_REPEATS_FACTOR + 1
+    assert len(recompute["prompts"]) == 2 * per_doc  # two documents with --quick
+    for spec in hit_modes:
+        assert len(spec["prompts"]) == 2 * hit_per_doc
+        assert spec["prompts"][:per_doc] == recompute["prompts"][:per_doc]
+        assert spec["prompts"][hit_per_doc:hit_per_doc + per_doc] == \
+            recompute["prompts"][per_doc:]
+    assert report["hit_repeats"] == bench.HIT_REPEATS_FACTOR
     assert report["engine"] == "vllm 9.8.7 on cpu (float32, eager)"
     assert report["modes"]["kvpool"]["engine"]["model"] == str(tmp_path / "model")
     assert report["ratios"]["ttft_hit_vs_recompute"] == pytest.approx(0.2)

@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct (converted once to a local HF directory, see
 ``kvpool.integrations.models.smollm2``), document-QA shaped requests: a 1K..6K-token document
-followed by a 16-token question of its own, ``repeats + 1`` requests per document. Three modes,
+followed by a 16-token question of its own, ``repeats + 1`` requests per document in the
+recompute mode, ``HIT_REPEATS_FACTOR * repeats + 1`` in the others (their timed requests are
+hits: cheap, and their ratios to each other are small differences). Three modes,
 each in its own fresh engine (``kvpool.integrations.vllm.run_engine`` in the pinned vLLM venv):
 
 * ``recompute``: no connector; every request prefills document and question;
@@ -58,6 +60,12 @@ FULL_LENGTHS = (1024, 2048, 4096, 6144)
 QUICK_LENGTHS = (1024, 6144)
 MODES = ("recompute", "kvpool", "example", "engine_cache")
 QUESTION_TOKENS = 16
+#: The modes whose timed requests are hits (kvpool, example, engine_cache) run this many
+#: times the recompute mode's: they cost ~0.2 s each against ~30 s recomputed at 6K, and their
+#: ratios to each other (``ttft_hit_vs_engine_cache``: ~35 ms of ~200) moved by 0.1-0.2
+#: between runs of 5 (one full run 1.02, the next 1.26) while 30 alternating hits of a
+#: kvpool and an engine-cache engine gave 1.03 and 1.05.
+HIT_REPEATS_FACTOR = 3
 CHUNK_TOKENS = 512  # 4 vLLM blocks: fewer, larger page copies per layer
 
 
@@ -228,12 +236,19 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
     rng = random.Random(0)
     docs = [[rng.randrange(1000, 40000) for _ in range(n)] for n in lengths]
     per_doc = reps + 1
+    hit_per_doc = HIT_REPEATS_FACTOR * reps + 1
 
     def question() -> list[int]:
         return [rng.randrange(1000, 40000) for _ in range(QUESTION_TOKENS)]
 
-    # Request j on document i: the document, then a question of its own.
-    prompts = [doc + question() for doc in docs for _ in range(per_doc)]
+    # Request j on document i: the document, then a question of its own. The hit modes run
+    # more requests per document; their first per_doc are the recompute mode's prompts.
+    questions = [[question() for _ in range(hit_per_doc)] for _ in docs]
+
+    def prompts_of(n: int) -> list[list[int]]:
+        return [doc + q for doc, qs in zip(docs, questions, strict=True) for q in qs[:n]]
+
+    prompts = prompts_of(per_doc)
     base = {"model": model, "prompts": prompts, "max_tokens": 1, "logprobs": None,
             "max_model_len": 8192, "max_num_batched_tokens": 8192, "max_num_seqs": 4}
     connectors: dict[str, Any] = {
@@ -249,12 +264,13 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
     engines: list[str] = []
     recompute_ids: list[list[int]] = []
     for mode in MODES:
-        spec = dict(base, connector=connectors[mode],
+        n = per_doc if mode == "recompute" else hit_per_doc
+        spec = dict(base, connector=connectors[mode], prompts=prompts_of(n),
                     enable_prefix_caching=mode == "engine_cache")
-        print(f"[bench vllm] {mode}: {len(lengths)} documents x {per_doc} requests",
+        print(f"[bench vllm] {mode}: {len(lengths)} documents x {n} requests",
               file=sys.stderr, flush=True)
         result = _run(python, spec, work, mode)
-        modes[mode] = {"ttft": _ttft_rows(result["outputs"], lengths, per_doc),
+        modes[mode] = {"ttft": _ttft_rows(result["outputs"], lengths, n),
                        "engine": result["engine"]}
         engines.append(engine_label(result["engine"]))
         if result.get("connector_stats"):
@@ -264,7 +280,8 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
     host = _host_cases(python, base, lengths, per_doc, work, quick)
     # smollm2_hf_dir refuses a model other than SmolLM2-135M-Instruct (ModelMismatchError)
     return {"model": "SmolLM2-135M-Instruct", "engine": " / ".join(dict.fromkeys(engines)),
-            "lengths": list(lengths), "repeats": reps, "modes": modes, "host_cases": {
+            "lengths": list(lengths), "repeats": reps,
+            "hit_repeats": hit_per_doc - 1, "modes": modes, "host_cases": {
                 c: {k: v for k, v in d.items() if not k.endswith("token_ids")}
                 for c, d in host.items()},
             "ratios": {**ratios(modes, lengths), **host_ratios(host, recompute_ids, modes,
@@ -349,7 +366,8 @@ def engine_label(info: dict[str, Any]) -> str:
 
 def _print(report: dict[str, Any]) -> None:
     print(f"TTFT, {report['model']} on {report['engine']}: document + {QUESTION_TOKENS}-token "
-          f"question, median / p99 over {report['repeats']} requests per document")
+          f"question, median / p99 over {report['repeats']} requests per document "
+          f"(recompute), {report.get('hit_repeats', report['repeats'])} (the others)")
     print(f"{'doc':>7} " + " ".join(f"{m:>22}" for m in MODES))
     for n in report["lengths"]:
         cells = []
