@@ -9,9 +9,10 @@ unpickled. The attach answer carries the arena's file descriptor (SCM_RIGHTS). B
 speak ``VERSION``: a HELLO of another version is refused with a message saying so (the
 engine and its host pool run one kvpool release).
 
-Failure contract: ``recv_frame`` raises ``WireError`` for a malformed or oversized frame and
-``ConnectionError`` when the peer is gone (EOF mid-frame included); a socket timeout is
-``TimeoutError``. Both ends treat either as the end of the connection.
+Failure contract: ``recv_frame`` and ``FrameReader.read`` raise ``WireError`` for a malformed
+or oversized frame and ``ConnectionError`` when the peer is gone (EOF mid-frame included); a
+socket timeout is ``TimeoutError`` (Python's) or ``BlockingIOError`` (the kernel's,
+``set_kernel_timeouts``). Both ends treat any of them as the end of the connection.
 """
 
 from __future__ import annotations
@@ -227,9 +228,10 @@ class FrameReader:
     Failure contract as ``recv_frame``: WireError (the format or a limit broken),
     ConnectionError (the peer gone, EOF mid-frame included), OSError from the socket."""
 
-    def __init__(self, sock: socket.socket, buffer_bytes: int = 2 * LARGE_FRAME) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buf = bytearray(buffer_bytes)
+        # A small frame must fit whole (64 KiB and its header: an attached connection's cost)
+        self._buf = bytearray(HEADER.size + LARGE_FRAME)
         self._view = memoryview(self._buf)
         self._start = 0  # the unparsed bytes are _buf[_start:_end]
         self._end = 0
