@@ -4,11 +4,12 @@ A chunk's layer holds ``blocks_per_chunk`` pages; the engine keeps them in block
 named by a block table. Where the table runs through consecutive blocks (a fresh engine
 hands a request's blocks out in ascending order), each run is one slice ``copy_``; otherwise
 the pages go by index (``index_copy_``). Measured on the 2-core VM with torch on 2 threads,
-12 chunks x 30 layers of 32 pages of 12 KiB (SmolLM2-135M at 6K tokens: what one hit of
-``kvpool bench vllm`` loads), three rounds: slice copies 16.0-18.0 ms, ``index_copy_`` of
-the same pages 30.3-33.2 ms. Blocks vLLM recycles come back in descending order (it frees a
-request's blocks last first), which stays an index copy. (Saves keep ``index_select``: the
-other direction measured the other way, 13.5-16.6 ms by index against 23-26 ms in slices.)
+SmolLM2-135M's 6K-token hit as vLLM's CPU backend holds it (12 chunks of 512 tokens x 30
+layers, 4 pages of 96 KiB each: blocks of 128 tokens), three rounds: one slice copy per chunk
+13.5-14.8 ms, ``index_copy_`` of the same pages 19.3-20.7 ms. Blocks vLLM recycles come back
+in descending order (it frees a request's blocks last first): a chunk is then 4 runs of one
+page, 19.6-19.7 ms, no faster than by index. (Saves keep ``index_select``: slices would
+save ~10% there, 17.4-18.1 against 18.4-20.7 ms for the same pages.)
 
 Failure contract: none of its own; torch raises for shapes that do not match (a caller's
 bug: the namespace pins the page geometry).
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: Past this many runs a chunk's pages go by index: each slice copy costs a call (~4 us),
-#: and an index copy of a chunk's layer about twice the bytes' slice copy.
+#: Past this many runs a chunk's pages go by index: each slice copy costs a call (~4 us), and
+#: an index copy of a chunk's layer ~1.4 times one slice copy of its bytes.
 MAX_RUNS = 4
 
 
