@@ -8,7 +8,9 @@ pool's ``save`` with a fill callback and ``load`` with a scatter callback, then 
 ``save`` of the same chunks: all present), ``hold SEED N_PIN N_RESERVE`` (pins the first
 N_PIN chunks of SEED, reserves N_RESERVE new ones, half filled, then sleeps), ``load
 STOP_FILE`` (puts and reads in a loop, ``started`` once a round hit, until STOP_FILE exists
-or 90 s passed; then its errors, slowest call and attaches).
+or 90 s passed; then its errors, slowest call and attaches), ``churn STOP_FILE SECONDS``
+(puts 16 chunks whose bytes name their keys, four at a time, over 8 DRAM slots) and
+``verify STOP_FILE SECONDS`` (reads them in a loop: hits, wrong bytes, direct reads).
 """
 
 from __future__ import annotations
@@ -120,8 +122,41 @@ def main(mode: str, config_path: str, *args: str) -> int:
             time.sleep(0.02)
         say(errors=errors[:5], slowest_s=slowest, calls=calls, hits=hits,
             attaches=pool.stats()["attached"]["attaches"], attached=pool.attached)
+    elif mode in ("churn", "verify"):  # the directory race: tests/test_host_direct.py
+        ns = pool.register_namespace(namespace())
+        keys = chunks(ns, 77, CHURN_KEYS)[0]
+        datas = [keyed(ns, key) for key in keys]
+        deadline = time.monotonic() + float(args[1])
+        stop = Path(args[0])
+        rounds, hits, wrong = 0, 0, 0
+        outs = [np.zeros_like(d) for d in datas]
+        while time.monotonic() < deadline and not stop.exists():
+            if mode == "churn":  # four chunks at a time: each put evicts older ones
+                at = (rounds % (CHURN_KEYS // 4)) * 4
+                pool.put_many(ns, keys[at:at + 4], datas[at:at + 4])
+            else:
+                for out in outs:
+                    out.fill(0)
+                found = pool.get_many_into(ns, keys, outs)
+                hits += sum(found)
+                wrong += sum(not np.array_equal(o, d) for o, d, f in
+                             zip(outs, datas, found, strict=True) if f)
+            rounds += 1
+        attached = pool.stats()["attached"]
+        say(rounds=rounds, hits=hits, wrong=wrong, direct_hits=attached["direct_hits"],
+            direct_changed=attached["direct_changed"])
     pool.close()
     return 0
+
+
+#: The chunks the churn writer cycles through: twice the test host's 8 DRAM slots.
+CHURN_KEYS = 16
+
+
+def keyed(ns: Namespace, key: bytes) -> np.ndarray:
+    """A chunk whose bytes name its key (its key repeated): a read that returns another
+    chunk's bytes is seen."""
+    return np.frombuffer(key * (ns.chunk_bytes // len(key)), np.uint8).copy()
 
 
 if __name__ == "__main__":

@@ -175,7 +175,8 @@ def test_a_get_pins_its_chunks_as_one_batch_and_unpins_them_together(tmp_path: P
     max_held the get pins chunk by chunk and reads the rest as bytes."""
     data = host_config(tmp_path, ssd={"enabled": True, "capacity": "32MiB",
                                       "segment_size": "8MiB"},
-                       pool={"promote_on_hit": False}, host={"max_held": 6})
+                       pool={"promote_on_hit": False},
+                       host={"max_held": 6, "direct_reads": False})  # reads pin here
     server = HostServer(config_from_dict(data)).start()
     pool = AttachedPool(engine_config(data))
     writer = AttachedPool(engine_config(data))

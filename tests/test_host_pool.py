@@ -165,27 +165,34 @@ def test_two_tenants_on_one_host_pool_see_only_their_own_chunks(tmp_path: Path) 
         host.stop()
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["pinned-reads", "direct-reads"])
 def test_a_paused_host_pool_costs_misses_after_the_request_timeout_then_serves_again(
-        tmp_path: Path) -> None:
-    """SIGSTOP, not SIGKILL: the socket stays open and nothing answers. The engine's read
-    gives up at host.request_timeout_s (misses, not a hang, not an error), and once the host
-    pool runs again the engine attaches again and hits what it stored before."""
-    data = host_config(tmp_path, host={"request_timeout_s": 1.0})
+        tmp_path: Path, direct: bool) -> None:
+    """SIGSTOP, not SIGKILL: the socket stays open and nothing answers. A read that asks the
+    host pool gives up at host.request_timeout_s (misses, not a hang, not an error), and once
+    the host pool runs again the engine attaches again and hits what it stored before. With
+    direct reads, the chunks the read directory shows are read without asking: they stay
+    hits, with their bytes, while the host pool is paused; only the chunk it lacks asks."""
+    data = host_config(tmp_path, host={"request_timeout_s": 1.0, "direct_reads": direct})
     host = start_host(tmp_path, data)
     pool = AttachedPool(engine_config(data))
     try:
         ns = pool.register_namespace(namespace())
         keys, datas = chunks(ns, 3, 4)
         assert pool.put_many(ns, keys, datas) == 4
-        outs = [np.empty_like(d) for d in datas]
+        absent = chunks(ns, 9, 1)[0]
+        outs = [np.empty_like(d) for d in datas] + [np.empty_like(datas[0])]
         assert host.proc is not None
         os.kill(host.proc.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            assert pool.get_many_into(ns, keys, outs) == [False] * 4
+            assert pool.get_many_into(ns, keys + absent, outs) == [direct] * 4 + [False]
             assert time.monotonic() - started < 10
+            if direct:
+                assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=False))
         finally:
             os.kill(host.proc.pid, signal.SIGCONT)
+        outs = outs[:4]
         wait_for(lambda: pool.get_many_into(ns, keys, outs) == [True] * 4, 20,
                  "hits again once the host pool runs")
         assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))

@@ -419,6 +419,15 @@ class HostConfig(_Section):
     max_connections: int = Field(1024, ge=1, description="kvpool host: connections served at once (attached or attaching, every tenant). One past it is answered ok: false (busy) and closed, so a flood of connections costs the flooder, not the attached engines; such an engine detaches and retries (host.retry_s).")
     max_receive_bytes: Size = Field(1 << 30, gt=0, description="kvpool host: bytes of large messages (over 64 KiB: the byte fallbacks' payloads) being received and handled at once, over every connection. A message that would pass it closes its connection (that engine's save is dropped, and it re-attaches), so peers that declare big payloads and stall cannot take the host pool's memory; such a message must also arrive within host.request_timeout_s of its header.")
     populate: bool = Field(True, description="An engine faults its mapping of the arena in when it attaches (MAP_POPULATE), so its first reads pay no page faults.")
+    direct_reads: bool = Field(True, description="kvpool host keeps a read directory per tenant (where each DRAM chunk lies, in shared memory, mapped read-only by engines), and an engine reads DRAM hits through it without a round trip to the host pool: a seqlock per entry, checked after the copy, instead of a pin (docs/architecture.md). x86-64 only (it relies on that CPU's memory ordering); off on either side: every read asks the host pool.")
+    directory_entries: int = Field(0, ge=0, description="kvpool host: entries of each tenant's read directory (64 bytes each, a power of two). 0: two per 32 KiB of dram.capacity, between 4,096 and 2**24. A chunk whose bucket of 8 is full is read through the host pool (counted in the dram stats as directory_full).")
+
+    @field_validator("directory_entries")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value and (value < 64 or value & (value - 1)):
+            raise ValueError(f"must be 0 or a power of two >= 64, got {value}")
+        return value
     cuda_register: Literal["auto", "off"] = Field("auto", description="auto: when torch is already imported in the engine and sees a CUDA device, the mapped arena is registered as pinned host memory (cudaHostRegister through torch), so device copies from and to it run at pinned speed; off: never.")
 
 

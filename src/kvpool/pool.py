@@ -62,6 +62,7 @@ from kvpool.saves import (
     stats_of,
 )
 from kvpool.tiers.base import Tier, leading_run, read_tiers
+from kvpool.tiers.directory import ReadDirectory
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.slots import PinnedBatch, PinnedView, SlotReservation
 from kvpool.tiers.stack import build_tiers
@@ -486,6 +487,8 @@ class KVPool:
             except BaseException:
                 self.retention.forget(keys)
                 raise
+        if self._front is not None:
+            self._front.retention_changed(keys)
 
     def release(self, session: str, delete: bool = False) -> int:
         """End a session (the ``session`` its saves named): its chunks that no other session
@@ -746,6 +749,29 @@ class KVPool:
             took = perf_counter() - started
             self._latency.record("get", took, (took,))
         return batch
+
+    def share_directory(self, directory: ReadDirectory) -> bool:
+        """Publish where DRAM's chunks lie in ``directory`` from now on (a host pool's
+        tenant pool: tiers/directory.py); the DRAM tier closes it with itself. False (and
+        nothing kept) without a DRAM tier."""
+        if self._front is None:
+            return False
+        self._front.share_directory(directory)
+        return True
+
+    def note_dram_reads(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Count reads an attached engine made through the directory, as ``pin_resident``
+        counts its pins (DRAM hits and policy recency, the SSD's read notes, dram_hits),
+        afterwards; keys evicted since are ignored. Returns how many were counted."""
+        if self._front is None:
+            return 0
+        counted = self._front.note_reads(keys, ns.id)
+        if counted and self._note_reads is not None:
+            self._note_reads(keys)
+        self._counters.add_many({"dram_hits": counted,
+                                 "dram_hit_bytes": counted * ns.chunk_bytes,
+                                 "dram_hit_tokens": counted * ns.layout.chunk_tokens})
+        return counted
 
     def _pin(self, ns: Namespace, keys: Sequence[bytes],
              fetch: bool) -> list[PinnedView | None]:

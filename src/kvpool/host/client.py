@@ -132,7 +132,8 @@ class AttachedPool:
         self._next_try = 0.0
         self._closed = False
         self._counters = Counters("attaches", "detaches", "detached_misses",
-                                  "detached_drops", "misses", "dram_hits", "fallback_hits")
+                                  "detached_drops", "misses", "dram_hits", "fallback_hits",
+                                  "direct_hits", "direct_changed")
         self.metrics = CollectorRegistry(auto_describe=False)
         self.metrics_url: str | None = None
         pool = self.config.pool
@@ -406,8 +407,10 @@ class AttachedPool:
 
     def get_many_into(self, ns: Namespace, keys: Sequence[bytes],
                       outs: Sequence[Any]) -> list[bool]:
-        """Pin on the host (reading SSD or node hits into free host slots first), copy from
-        the mapped arena into ``outs``, unpin: one round trip and one copy per chunk."""
+        """Copy the chunks the host's DRAM holds from the mapped arena into ``outs``, found
+        through the host pool's read directory (no round trip; ``host.direct_reads``); for
+        the others, pin on the host (reading SSD or node hits into free host slots first),
+        copy, unpin: one round trip. One copy per chunk either way."""
         self._registered(ns, keys)
         check_same_length(keys, outs, "outs")
         views = [byte_view(o, writable=True) for o in outs]
@@ -418,7 +421,58 @@ class AttachedPool:
 
     def _get_many_into(self, ns: Namespace, keys: Sequence[bytes],
                        views: Sequence[memoryview]) -> list[bool]:
-        """``get_many_into`` after its checks and its wait for this engine's commits."""
+        """``get_many_into`` after its checks and its wait for this engine's commits: the
+        directory's hits, then one request for the rest."""
+        link = self._link()
+        if link is None:
+            self._miss(len(keys))
+            return [False] * len(keys)
+        found = self._read_direct(link, ns, keys, views) \
+            if link.directory is not None and link.alive() else None
+        if found is None:
+            return self._read_via_host(ns, keys, views)
+        rest = [i for i, hit in enumerate(found) if not hit]
+        if rest:
+            got = self._read_via_host(ns, [keys[i] for i in rest], [views[i] for i in rest])
+            for i, hit in zip(rest, got, strict=True):
+                found[i] = hit
+        return found
+
+    def _read_direct(self, link: Link, ns: Namespace, keys: Sequence[bytes],
+                     views: Sequence[memoryview]) -> list[bool] | None:
+        """Copy what the read directory says DRAM holds (tiers/directory.py: a copy counts
+        only if its entry did not change meanwhile); per key, was it read. None when
+        nothing was (ask the host pool for all). The host pool hears of the reads later
+        (``Link.reads_later``), to count them and keep them in its eviction's recency."""
+        directory = link.directory
+        assert directory is not None
+        size = ns.chunk_bytes
+        at, offsets, entries, seqs = directory.find(keys, ns.id, size, link.arena_bytes)
+        if not at:
+            return None
+        arena = link.arena
+        try:
+            for i, offset in zip(at, offsets, strict=True):
+                views[i][:] = arena[offset:offset + size]
+        except ValueError:  # the link closed under this read (the arena went)
+            if not link.closed:
+                raise
+            return None
+        found = [False] * len(keys)
+        read: list[bytes] = []
+        for i, same in zip(at, directory.unchanged(entries, seqs), strict=True):
+            if same:
+                found[i] = True
+                read.append(keys[i])
+        if read:
+            link.reads_later(ns.id.hex(), read)
+        self._counters.add_many({"dram_hits": len(read), "direct_hits": len(read),
+                                 "direct_changed": len(at) - len(read)})
+        return found
+
+    def _read_via_host(self, ns: Namespace, keys: Sequence[bytes],
+                       views: Sequence[memoryview]) -> list[bool]:
+        """Pin on the host (fetching), copy from the arena, unpin: one round trip."""
         n = len(keys)
         asked = self._ask(wire.PIN, ns, keys, fetch=True, read=True, batch=True)
         if asked is None:

@@ -10,7 +10,9 @@ stopped, or silent past ``host.request_timeout_s``); the pool then drops the lin
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
+import select
 import socket
 import threading
 from typing import Any
@@ -19,7 +21,10 @@ from kvpool.config import HostConfig
 from kvpool.errors import ArgumentError, KVPoolError, PinLimitError
 from kvpool.host import wire
 from kvpool.host.cuda import register_host_memory, unregister_host_memory
+from kvpool.tiers.directory import DIRECT_READS_SUPPORTED, DirectoryReader
 from kvpool.tiers.prefault import map_address
+
+log = logging.getLogger("kvpool.host")
 
 #: Rounds of ``host.unpin_delay_s`` with nothing released before the unpin flusher sleeps
 #: until woken (40 ms at the default: past a burst of reads, not within one).
@@ -44,6 +49,11 @@ class Link:
         #: flusher never waits for the socket lock a request holds through its round trip
         #: (waiting there, it was handed the GIL at every answer: 116 us a read).
         self._unpins: list[int] = []
+        #: Keys read through the directory per namespace (hex id), to be counted by the
+        #: host pool (a READS frame each, sent as the unpins are), and how many times a
+        #: request took what was pending.
+        self._reads: dict[str, list[bytes]] = {}
+        self._taken = 0
         self._unpins_due = threading.Condition()
         self._flusher_idle = False  # the flusher sleeps until unpin_later wakes it
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -52,11 +62,12 @@ class Link:
             self.sock.connect(host.socket)
             wire.send_frame(self.sock, {"op": wire.HELLO, "version": wire.VERSION,
                                         "token": token, "tenant": host.tenant})
-            meta, _, fds = wire.recv_frame(self.sock, 0, want_fds=1)
+            meta, _, fds = wire.recv_frame(self.sock, 0, want_fds=2)
         except (OSError, ConnectionError) as exc:
             self.sock.close()
             raise Detached(f"cannot attach to the host pool at {host.socket}: {exc}") from None
-        if not meta.get("ok") or len(fds) != 1:
+        directory_bytes = meta.get("directory_bytes", 0)
+        if not meta.get("ok") or len(fds) != 1 + bool(directory_bytes):
             for fd in fds:
                 with contextlib.suppress(OSError):
                     socket.close(fd)
@@ -74,9 +85,21 @@ class Link:
                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             self.sock.close()
+            for fd in fds[1:]:
+                socket.close(fd)
             raise Detached(f"cannot map the host pool's arena: {exc}") from None
         finally:
             socket.close(fds[0])
+        #: The host pool's read directory, mapped read-only (None: every read asks).
+        self.directory: DirectoryReader | None = None
+        if directory_bytes:
+            try:
+                if host.direct_reads and DIRECT_READS_SUPPORTED:
+                    self.directory = DirectoryReader(fds[1], int(directory_bytes))
+            except (OSError, ValueError) as exc:  # reads ask the host pool, as without one
+                log.warning("cannot map the host pool's read directory: %s", exc)
+            finally:
+                socket.close(fds[1])
         wire.set_kernel_timeouts(self.sock, host.request_timeout_s)
         self._reader = wire.FrameReader(self.sock)
         threading.Thread(target=self._flush_unpins, name="kvpool-host-unpin",
@@ -103,10 +126,13 @@ class Link:
         with self._lock:
             if self.closed:
                 raise Detached("the host pool connection is closed")
-            if self._unpins:
+            if self._unpins or self._reads:
                 with self._unpins_due:
-                    meta = {**meta, wire.UNPIN_FIELD: self._unpins}
-                    self._unpins = []
+                    unpins, reads = self._take_pending()
+                if unpins:
+                    meta = {**meta, wire.UNPIN_FIELD: unpins}
+                if reads:
+                    parts = reads + (parts or [])
             try:
                 if parts:
                     wire.send_frames(self.sock, [*parts, (meta, tail)])
@@ -121,6 +147,41 @@ class Link:
                 raise PinLimitError(str(answer.get("error")))
             raise ArgumentError(f"host pool refused {meta.get('op')}: {answer.get('error')}")
         return answer, payload
+
+    def alive(self) -> bool:
+        """Whether the connection looks up: not closed, and nothing to read on it (a host
+        pool that died or closed it makes it readable; a live one sends nothing unasked).
+        One poll, no wait. False also while another thread's answer is arriving."""
+        if self.closed:
+            return False
+        try:
+            return not select.select([self.sock], [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
+
+    def reads_later(self, ns_hex: str, keys: list[bytes]) -> None:
+        """Tell the host pool of chunks read through the directory (its counts and its
+        eviction's recency), with the next request or the flusher, as ``unpin_later``."""
+        with self._unpins_due:
+            if self.closed:
+                return
+            pending = self._reads.get(ns_hex)
+            if pending is None:
+                self._reads[ns_hex] = keys
+            else:
+                pending.extend(keys)
+            if self._flusher_idle:
+                self._flusher_idle = False
+                self._unpins_due.notify()
+
+    def _take_pending(self) -> tuple[list[int], list[tuple[dict[str, Any], wire.Bytes]]]:
+        """The released pins not yet told, and the READS frames of the reads not yet told
+        (under ``_unpins_due``)."""
+        unpins, reads = self._unpins, self._reads
+        self._unpins, self._reads = [], {}
+        self._taken += 1
+        return unpins, [({"op": wire.READS, "ns": ns, "n": len(keys)}, wire.pack_keys(keys))
+                        for ns, keys in reads.items()]
 
     def unpin_later(self, ids: list[int]) -> None:
         """Release pins: told to the host pool with the next request, or by this link's
@@ -139,17 +200,16 @@ class Link:
                 self._unpins_due.notify()
 
     def _flush_unpins(self) -> None:
-        """The flusher thread: sends the pending pins that no request carried for a whole
-        ``host.unpin_delay_s`` (a request takes the list and leaves a new one, so a list
-        still there after the wait waited that long); ends when the link closes."""
+        """The flusher thread: sends the pending pins and reads that no request carried for
+        a whole ``host.unpin_delay_s`` (a request takes them, so what is still there after
+        the wait waited that long); ends when the link closes."""
         delay = self._host.unpin_delay_s
         quiet = 0  # rounds in a row that found nothing released
         while True:
             with self._unpins_due:
                 if self.closed:
                     return
-                pending = self._unpins
-                if not pending:
+                if not self._unpins and not self._reads:
                     if quiet >= _QUIET_ROUNDS:  # reads stopped: sleep until one releases
                         self._flusher_idle = True
                         self._unpins_due.wait()
@@ -159,21 +219,27 @@ class Link:
                         quiet += 1
                     continue
                 quiet = 0
+                taken = self._taken
                 self._unpins_due.wait(delay)  # a request may carry them meanwhile
                 if self.closed:
                     return
-                if self._unpins is not pending:
+                if self._taken != taken:
                     continue  # a request carried them
-                self._unpins = []
-            self.send({"op": wire.UNPIN, "ids": pending})
+                unpins, reads = self._take_pending()
+            if unpins:
+                reads.append(({"op": wire.UNPIN, "ids": unpins}, b""))
+            self._send_frames(reads)
 
     def send(self, meta: dict[str, Any], tail: wire.Bytes = b"") -> None:
         """A frame with no answer (unpin, abort, put); a failure detaches quietly."""
+        self._send_frames([(meta, tail)])
+
+    def _send_frames(self, frames: list[tuple[dict[str, Any], wire.Bytes]]) -> None:
         with self._lock:
-            if self.closed:
+            if self.closed or not frames:
                 return
             try:
-                wire.send_frame(self.sock, meta, tail)
+                wire.send_frames(self.sock, frames)
             except OSError:
                 self._close_locked()
 
@@ -187,6 +253,8 @@ class Link:
             self.sock.close()
         if self.cuda:
             unregister_host_memory(self.address)
+        if self.directory is not None:
+            self.directory.close()
         self.arena.release()  # slices of it still held keep the mapping alive
         with contextlib.suppress(BufferError):
             self.mapping.close()  # views still held keep it mapped until released

@@ -218,9 +218,11 @@ class HostServer:
                 wire.send_frame(conn, {"ok": False, "error": str(exc)})
             return None
         conn.settimeout(None)  # an attached engine may stay idle as long as it likes
+        directory = pool.directory
         wire.send_frame(conn, {"ok": True, "tenant": name, "arena_bytes": pool.arena_bytes,
-                               "durable": pool.pool.durable_puts, "pid": os.getpid()},
-                        fds=[pool.arena_fd])
+                               "durable": pool.pool.durable_puts, "pid": os.getpid(),
+                               "directory_bytes": directory.nbytes if directory is not None else 0},
+                        fds=[pool.arena_fd] if directory is None else [pool.arena_fd, directory.fd])
         log.info("attached pid %d (uid %d) as tenant %s", pid, uid, name,
                  extra={"event": "attached", "peer": pid})
         return Session(pool, host.max_held, host.max_frame_bytes)

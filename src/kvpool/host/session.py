@@ -309,6 +309,11 @@ class Session:
     def _op_invalidate(self, meta: dict[str, Any], tail: bytearray) -> Answer:
         return {"ok": True, "n": self.pool.invalidate(self._ns(meta))}, b""
 
+    def _op_reads(self, meta: dict[str, Any], tail: bytearray) -> None:
+        """Chunks the engine read through the directory: counted as the pins they replaced
+        (hits, eviction recency), late."""
+        self.pool.note_dram_reads(self._ns(meta), self._keys(meta, tail))
+
     def _op_touch(self, meta: dict[str, Any], tail: bytearray) -> Answer:
         return {"ok": True, "n": self.pool.touch(self._ns(meta), self._keys(meta, tail))}, b""
 

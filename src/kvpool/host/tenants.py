@@ -28,6 +28,7 @@ from pathlib import Path
 from kvpool.config import Config
 from kvpool.errors import KVPoolError
 from kvpool.pool import KVPool
+from kvpool.tiers.directory import DIRECT_READS_SUPPORTED, ReadDirectory, entries_for
 
 #: The tenant every engine belongs to when the host pool has no server.auth.
 SHARED_TENANT = "*"
@@ -40,12 +41,14 @@ class AttachRefused(KVPoolError):
 
 @dataclass
 class TenantPool:
-    """One tenant's embedded pool and the descriptor of its arena file (unlinked)."""
+    """One tenant's embedded pool, the descriptor of its arena file (unlinked), and its
+    read directory (None: engines ask for every read)."""
 
     name: str
     pool: KVPool
     arena_fd: int
     arena_bytes: int
+    directory: ReadDirectory | None = None
 
     def close(self) -> None:
         self.pool.close()
@@ -125,7 +128,18 @@ class Tenants:
             raise
         os.unlink(path)  # from here only a descriptor reaches it
         capacity = int(pool.stats()["dram"]["capacity_bytes"])
-        return TenantPool(tenant, pool, fd, capacity)
+        directory = None
+        if cfg.host.direct_reads and DIRECT_READS_SUPPORTED:
+            try:
+                directory = ReadDirectory(cfg.host.directory_entries or entries_for(capacity))
+                pool.share_directory(directory)  # the pool's DRAM tier closes it
+            except BaseException:
+                if directory is not None:
+                    directory.close()
+                os.close(fd)
+                pool.close()
+                raise
+        return TenantPool(tenant, pool, fd, capacity, directory)
 
     def pools(self) -> list[TenantPool]:
         with self._lock:

@@ -5,7 +5,8 @@ op and its small arguments, or an answer), then the tail: 16-byte keys back to b
 answer's (pin id, arena offset) pairs as native int64 (``pack_pins``: per-key data stays
 out of JSON, which cost more than the pins themselves on a 64-key read), or a payload on
 the rare byte fallbacks. JSON and raw bytes only: nothing read from a peer is ever
-unpickled. The attach answer carries the arena's file descriptor (SCM_RIGHTS). Both ends
+unpickled. The attach answer carries the arena's file descriptor and, where the host pool
+keeps one, its read directory's (tiers/directory.py), by SCM_RIGHTS. Both ends
 speak ``VERSION``: a HELLO of another version is refused with a message saying so (the
 engine and its host pool run one kvpool release).
 
@@ -29,7 +30,7 @@ from kvpool.keys import KEY_BYTES, split_key_bytes
 
 HEADER = struct.Struct("<II")
 #: The frame layout's version, sent in HELLO; the host pool refuses any other.
-VERSION = 2
+VERSION = 3
 #: Metadata is small (op names, ints, offsets): this bounds what a peer can make us parse.
 MAX_META_BYTES = 8 << 20
 
@@ -52,7 +53,8 @@ INVALIDATE = "invalidate"
 TOUCH = "touch"
 FLUSH = "flush"
 STATS = "stats"
-NO_ANSWER = frozenset({UNPIN, ABORT})
+READS = "reads"        # no answer: keys an engine read through the directory, to count
+NO_ANSWER = frozenset({UNPIN, ABORT, READS})
 #: A request may carry ``"unpin": [ids]``: pins released before it is served (the engine's
 #: pending unpins ride on its next request instead of a frame of their own).
 UNPIN_FIELD = "unpin"

@@ -6,6 +6,7 @@ Failure contract: a miss is False; a put that finds no slot (everything pinned) 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from kvpool.policy import EvictionPolicy, make_eviction_policy
 from kvpool.retention import RetainingPolicy, RetentionBook, TenantQuotas
 from kvpool.tiers.arena import SlotArena
 from kvpool.tiers.base import DemotionSink, Item, local_lookup
+from kvpool.tiers.directory import ReadDirectory
 from kvpool.tiers.slots import PinnedBatch, PinnedView, SlotReservation, _Entry
 
 __all__ = ["DramTier", "PinnedBatch", "PinnedView", "SlotReservation"]
@@ -54,6 +56,9 @@ class DramTier:
         self._demote = demote
         #: KV events (docs/routing.md): told of every chunk stored and removed; None: off.
         self.events: TierEvents | None = None
+        #: Where each resident chunk lies, for attached engines' reads without a round
+        #: trip (tiers/directory.py; a host pool's tenant pools): None, off.
+        self.directory: ReadDirectory | None = None
         self._put_wait_s = put_wait_s
         #: Retention (retention/): wraps each policy; quotas bound each tenant's bytes.
         self._retention = retention
@@ -77,6 +82,30 @@ class DramTier:
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError("DRAM tier is closed")
+
+    def share_directory(self, directory: ReadDirectory) -> None:
+        """Keep ``directory`` from now on (every resident chunk published at once); the tier
+        closes it when it closes."""
+        with self._lock:
+            self._check_open()
+            self.directory = directory
+            for key, entry in self._entries.items():
+                directory.publish(key, entry.ns.id, entry.offset, entry.nbytes,
+                                  self._expires_at(key))
+
+    def _expires_at(self, key: bytes) -> float:
+        """The chunk's TTL deadline (wall clock) for the directory; inf without one."""
+        meta = self._retention.entries.get(key) if self._retention is not None else None
+        return math.inf if meta is None or meta.expires_at is None else meta.expires_at
+
+    def retention_changed(self, keys: Sequence[bytes]) -> None:
+        """Retention was recorded for ``keys``: the directory's TTL deadlines follow."""
+        if self.directory is None:
+            return
+        with self._lock:
+            if self.directory is not None and not self._closed:
+                for key in keys:
+                    self.directory.expiry(key, self._expires_at(key))
 
     def _policy(self, slot_size: int) -> EvictionPolicy:
         policy = self._policies.get(slot_size)
@@ -174,6 +203,9 @@ class DramTier:
             if self._retention is not None and self._retention.entries:
                 entry.ephemeral = self._retention.ephemeral(key)
             self._entries[key] = entry
+            if self.directory is not None:
+                self.directory.publish(key, entry.ns.id, entry.offset, entry.nbytes,
+                                       self._expires_at(key))
             self._policy(entry.slot_size).insert(key)
             self._counters["puts"] += 1
             self._counters["put_bytes"] += entry.nbytes
@@ -218,6 +250,8 @@ class DramTier:
 
     def _take_victim_locked(self, victim: bytes, evicted: list[tuple[bytes, _Entry]]) -> int:
         entry = self._entries.pop(victim)
+        if self.directory is not None:
+            self.directory.withdraw(victim)
         # The slot is ours alone from here: its bytes stay intact until our copy, so
         # the hook may read them after the lock is released.
         evicted.append((victim, entry))
@@ -267,6 +301,8 @@ class DramTier:
                     continue
                 for key, entry in residents:
                     del self._entries[key]
+                    if self.directory is not None:
+                        self.directory.withdraw(key)
                     self._policy(donor.slot_size).remove(key)
                     self._left(key, entry)
                     self._arena.free(entry.slot_size, entry.offset)
@@ -451,6 +487,8 @@ class DramTier:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
+        if self.directory is not None:
+            self.directory.withdraw(key)
         self._policy(entry.slot_size).remove(key)
         self._left(key, entry)
         if entry.pins:
@@ -499,6 +537,9 @@ class DramTier:
             out: dict[str, Any] = dict(self._counters)
             out.update(entries=len(self._entries), used_bytes=used,
                        capacity_bytes=self._arena.capacity, eviction=self._eviction)
+            if self.directory is not None:  # chunks readable through it; ones it had no room for
+                out.update(directory_entries=len(self.directory),
+                           directory_full=self.directory.full_buckets)
             return out
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -512,6 +553,8 @@ class DramTier:
             self._closed = True
             self._entries.clear()
             self._cond.notify_all()
+            if self.directory is not None:
+                self.directory.close()
         self._arena.close()
 
     def touch(self, key: bytes) -> bool:
@@ -528,3 +571,23 @@ class DramTier:
 
     def touch_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.touch(key) for key in keys]
+
+    def note_reads(self, keys: Sequence[bytes], namespace_id: bytes) -> int:
+        """Count reads made without this tier (an attached engine's reads through the
+        directory): each resident chunk of ``namespace_id`` is counted as a hit and
+        touched in its policy, as ``pin_batch`` would have, under one lock. Returns how
+        many were; others (evicted since) are ignored, a closed tier counts none."""
+        counted = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            get = self._entries.get
+            for key in keys:
+                entry = get(key)
+                if entry is None or entry.ns.id != namespace_id:
+                    continue
+                entry.hits += 1
+                self._policy(entry.slot_size).touch(key)
+                counted += 1
+            self._counters["hits"] += counted
+        return counted

@@ -1,0 +1,146 @@
+"""Direct reads (host.direct_reads): an attached engine reads DRAM hits through the host
+pool's read directory without a round trip, the host pool still counts them, and no read
+ever returns bytes of a slot that changed hands under it (real processes racing)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from host_child import CHURN_KEYS, chunks, keyed, namespace
+from host_support import child, engine_config, host_config, start_host, write_config
+from kvtest import wait_for
+
+from kvpool.config import config_from_dict
+from kvpool.host import wire
+from kvpool.host.client import AttachedPool
+from kvpool.host.server import HostServer
+
+
+def test_reads_skip_the_round_trip_and_the_host_pool_still_counts_them(tmp_path: Path) -> None:
+    """A second engine reads what the first saved without asking (no request reaches the
+    host pool for the read itself), the host pool then counts the reads as DRAM hits and in
+    its eviction's recency (LRU: the chunks read survive the next saves, the others go),
+    and a chunk the directory lacks is still read by asking."""
+    data = host_config(tmp_path, dram={"eviction": "lru"})
+    server = HostServer(config_from_dict(data)).start()
+    writer = AttachedPool(engine_config(data))
+    reader = AttachedPool(engine_config(data))
+    try:
+        ns = writer.register_namespace(namespace())
+        reader.register_namespace(ns)
+        keys, datas = chunks(ns, 1, 8)  # all 8 slots
+        assert writer.put_many(ns, keys, datas) == 8
+        link = reader._link()
+        assert link is not None and link.directory is not None
+        sent: list[str] = []
+        original = wire.send_frame
+
+        def counting(sock, meta, *args, **kwargs):  # type: ignore[no-untyped-def]
+            sent.append(meta.get("op"))
+            return original(sock, meta, *args, **kwargs)
+
+        wire.send_frame = counting
+        try:
+            outs = [np.zeros_like(d) for d in datas[:4]]
+            assert reader.get_many_into(ns, keys[:4], outs) == [True] * 4
+        finally:
+            wire.send_frame = original
+        assert sent == []  # no request for the read
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=False))
+        attached = reader.stats()["attached"]  # the stats request carries the reads first
+        assert attached["direct_hits"] == 4 and attached["dram_hits"] == 4
+        stats = reader.stats()
+        assert stats["dram"]["hits"] == 4 and stats["pool"]["dram_hits"] == 4
+        newer, newer_datas = chunks(ns, 2, 4)
+        assert writer.put_many(ns, newer, newer_datas) == 4  # evicts the 4 not read
+        assert reader.contains_many(ns, keys) == [True] * 4 + [False] * 4
+        absent = chunks(ns, 3, 1)[0]
+        outs = [np.zeros_like(d) for d in datas[:2]]
+        assert reader.get_many_into(ns, [keys[0], absent[0]], outs) == [True, False]
+    finally:
+        reader.close()
+        writer.close()
+        server.stop()
+
+
+def test_an_engine_with_direct_reads_off_asks_for_every_read(tmp_path: Path) -> None:
+    data = host_config(tmp_path)
+    server = HostServer(config_from_dict(data)).start()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    pool = AttachedPool(engine_config(data, direct_reads=False))
+    try:
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 1, 4)
+        assert pool.put_many(ns, keys, datas) == 4
+        link = pool._link()
+        assert link is not None and link.directory is None  # the descriptor was closed
+        outs = [np.zeros_like(d) for d in datas]
+        assert pool.get_many_into(ns, keys, outs) == [True] * 4
+        assert pool.stats()["attached"]["direct_hits"] == 0
+    finally:
+        pool.close()
+        server.stop()
+    wait_for(lambda: len(os.listdir("/proc/self/fd")) <= fds_before, 10, "descriptors closed")
+
+
+def test_a_killed_host_pool_stops_direct_reads_and_its_successor_serves_them(
+        tmp_path: Path) -> None:
+    """The engine still maps the dead host pool's arena and directory; a read sees the
+    socket closed (one poll), detaches and misses instead of reading the old mapping; the
+    restarted host pool's chunks are read directly again after the re-attach."""
+    data = host_config(tmp_path)
+    host = start_host(tmp_path, data)
+    pool = AttachedPool(engine_config(data))
+    try:
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 1, 4)
+        assert pool.put_many(ns, keys, datas) == 4
+        outs = [np.zeros_like(d) for d in datas]
+        assert pool.get_many_into(ns, keys, outs) == [True] * 4
+        host.kill()
+        assert pool.get_many_into(ns, keys, outs) == [False] * 4
+        assert not pool.attached
+        host = start_host(tmp_path, data)
+        wait_for(lambda: pool.put_many(ns, keys, datas) == 4, 20, "attached again")
+        assert pool.get_many_into(ns, keys, outs) == [True] * 4
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
+        assert pool.stats()["attached"]["direct_hits"] == 8
+    finally:
+        pool.close()
+        host.stop()
+
+
+def test_reads_racing_evictions_in_other_processes_never_return_another_chunks_bytes(
+        tmp_path: Path) -> None:
+    """One engine process saves 16 chunks, four at a time, through the host pool's 8 DRAM
+    slots (every save evicts; slots change hands all the time); two others read all 16 in
+    a loop through the directory and check each hit's bytes, which name its key. Every hit
+    carries its own chunk's bytes; the readers hit, directly."""
+    data = host_config(tmp_path, dram={"put_wait_s": 0.05})
+    host = start_host(tmp_path, data)
+    config = write_config(tmp_path, data, "engine.yaml")
+    stop = tmp_path / "stop"
+    try:
+        seed = AttachedPool(config_from_dict(data))
+        ns = seed.register_namespace(namespace())
+        keys = chunks(ns, 77, CHURN_KEYS)[0]
+        assert seed.put_many(ns, keys[:8], [keyed(ns, k) for k in keys[:8]]) == 8
+        seed.close()
+        writer = child("churn", config, stop, 30)
+        readers = [child("verify", config, stop, 30) for _ in range(2)]
+        time.sleep(6)
+        stop.touch()
+        results = [proc.communicate(timeout=60)[0] for proc in [writer, *readers]]
+        assert all(proc.returncode == 0 for proc in [writer, *readers]), results
+        churn, *verified = [__import__("json").loads(out.strip().splitlines()[-1])
+                            for out in results]
+        assert churn["rounds"] > 20
+        for result in verified:
+            assert result["wrong"] == 0, result
+            assert result["hits"] > 0 and result["direct_hits"] > 0, result
+    finally:
+        stop.touch()
+        host.stop()
