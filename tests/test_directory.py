@@ -52,7 +52,7 @@ def pair() -> Iterator[tuple[ReadDirectory, DirectoryReader]]:
 def found(reader: DirectoryReader, keys: list[bytes], ns: bytes = NS,
           nbytes: int = CHUNK, arena: int = ARENA) -> dict[bytes, int]:
     at, offsets, entries, seqs = reader.find(keys, ns, nbytes, arena)
-    assert all(reader.unchanged(entries, seqs))
+    assert reader.changed(entries, seqs) == []
     return {keys[i]: off for i, off in zip(at, offsets, strict=True)}
 
 
@@ -91,14 +91,14 @@ def test_a_copy_made_while_the_slot_changed_hands_is_refused(pair: Pair) -> None
     writer, reader = pair
     writer.publish(key(1), NS, 0, CHUNK)
     at, offsets, entries, seqs = reader.find([key(1)], NS, CHUNK, ARENA)
-    assert at == [0] and offsets == [0] and reader.unchanged(entries, seqs) == [True]
+    assert at == [0] and offsets == [0] and reader.changed(entries, seqs) == []
     writer.withdraw(key(1))
     writer.publish(key(2), NS, 0, CHUNK)
-    assert reader.unchanged(entries, seqs) == [False]
+    assert reader.changed(entries, seqs) == [0]
     at2, _, entries2, seqs2 = reader.find([key(1), key(2)], NS, CHUNK, ARENA)
-    assert at2 == [1] and reader.unchanged(entries2, seqs2) == [True]
+    assert at2 == [1] and reader.changed(entries2, seqs2) == []
     writer.expiry(key(2), time.time() + 60)
-    assert reader.unchanged(entries2, seqs2) == [False]
+    assert reader.changed(entries2, seqs2) == [0]
     assert found(reader, [key(2)]) == {key(2): 0}
     writer.expiry(key(2), time.time() + 60 * 60)  # later deadline: found again after it
     assert found(reader, [key(2)]) == {key(2): 0}
@@ -293,3 +293,24 @@ def test_a_table_size_that_is_no_power_of_two_is_refused_in_the_config() -> None
     with pytest.raises(ConfigError, match="power of two"):
         config_from_dict({"host": {"directory_entries": 100}})
     assert config_from_dict({"host": {"directory_entries": 128}}).host.directory_entries == 128
+
+
+def test_a_remembered_lookup_is_used_only_while_its_entry_is_unchanged(pair: Pair) -> None:
+    """A reader remembers where it found keys; once an entry moves (the chunk withdrawn,
+    published elsewhere, or gone) the next find looks again, so it neither misses a chunk
+    that moved nor returns one that went."""
+    writer, reader = pair
+    keys = [key(i) for i in range(4)]
+    for i, k in enumerate(keys):
+        writer.publish(k, NS, i * CHUNK, CHUNK)
+    assert found(reader, keys) == {k: i * CHUNK for i, k in enumerate(keys)}
+    assert found(reader, keys) == {k: i * CHUNK for i, k in enumerate(keys)}  # remembered
+    writer.withdraw(keys[1])
+    writer.publish(keys[1], NS, 9 * CHUNK, CHUNK)  # moved
+    writer.withdraw(keys[2])  # gone
+    assert found(reader, keys) == {keys[0]: 0, keys[1]: 9 * CHUNK, keys[3]: 3 * CHUNK}
+    assert found(reader, [keys[0], keys[1], keys[3]]) == {
+        keys[0]: 0, keys[1]: 9 * CHUNK, keys[3]: 3 * CHUNK}
+    writer.expiry(keys[3], time.time() - 1)  # its TTL passed
+    assert found(reader, [keys[0], keys[3]]) == {keys[0]: 0}
+    assert found(reader, keys, ns=bytes(16)) == {}  # remembered per namespace

@@ -179,6 +179,8 @@ def run_host_bench(work: Path, passes: int, log: Callable[[str], None]) -> dict[
             if view is not None:
                 view.release()
 
+        # How the attached reads went: through the read directory (no round trip) or asked.
+        reads = attached.stats()["attached"]
         log(f"host_dram_copies_4_engines: {ENGINES} processes x {COPIES_CHUNKS} chunks")
         copies = [_copies(config_path, attached, f"bench-host-copies-{i}") for i in range(3)]
         return {
@@ -196,6 +198,8 @@ def run_host_bench(work: Path, passes: int, log: Callable[[str], None]) -> dict[
                          "attached_round_trip_1_key": parts_s["round_trip"],
                          "attached_copy_only_64x64KiB": parts_s["copy_only"]},
             "copies_passes": copies,
+            "attached_reads": {name: reads[name] for name in
+                               ("dram_hits", "direct_hits", "direct_changed", "fallback_hits")},
             "passes": passes,
         }
     finally:

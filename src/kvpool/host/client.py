@@ -458,16 +458,22 @@ class AttachedPool:
             if not link.closed:
                 raise
             return None
-        found = [False] * len(keys)
-        read: list[bytes] = []
-        for i, same in zip(at, directory.unchanged(entries, seqs), strict=True):
-            if same:
+        changed = directory.changed(entries, seqs)
+        if changed:  # their slots changed hands during the copy: asked for instead
+            dropped = {at[j] for j in changed}
+            at = [i for i in at if i not in dropped]
+        n = len(keys)
+        if len(at) == n:
+            found, read = [True] * n, list(keys)
+        else:
+            found = [False] * n
+            for i in at:
                 found[i] = True
-                read.append(keys[i])
+            read = [keys[i] for i in at]
         if read:
             link.reads_later(ns.id.hex(), read)
         self._counters.add_many({"dram_hits": len(read), "direct_hits": len(read),
-                                 "direct_changed": len(at) - len(read)})
+                                 "direct_changed": len(changed)})
         return found
 
     def _read_via_host(self, ns: Namespace, keys: Sequence[bytes],

@@ -57,6 +57,9 @@ _ENTRY = np.dtype([("seq", "<u8"), ("key", "V16"), ("ns", "V16"), ("offset", "<u
 #: Entries at least: 8 buckets (a shift below 64).
 MIN_ENTRIES = 64
 _NO_ROWS = np.zeros(0, np.uint64)
+#: A found entry as a reader remembers it (DirectoryReader._known), and at most how many.
+_Found = tuple[int, int, int, float]
+_KNOWN_MAX = 1 << 16
 
 
 def entries_for(capacity: int, chunk_hint: int = 32 << 10) -> int:
@@ -193,16 +196,46 @@ class DirectoryReader:
         self._keys = self._table["key"]
         self._shift = _shift(entries)
         self.closed = False
+        #: Per (namespace id, chunk size): key -> (entry, sequence, offset, TTL deadline) of
+        #: what ``find`` found. A batch whose keys are all here, with their entries'
+        #: sequences unchanged now, is answered from here: a sequence moves on any change
+        #: of its entry and never comes back, so the check after the copy (``changed``)
+        #: holds for it as for a fresh lookup (one gather instead of the bucket scan).
+        self._known: dict[tuple[bytes, int], dict[bytes, _Found]] = {}
 
     def find(self, keys: Sequence[bytes], ns_id: bytes, nbytes: int, arena_bytes: int
              ) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
         """Where ``keys`` of namespace ``ns_id`` lie now: (indices into ``keys`` found,
         their slot offsets, their entries, their sequences). Copy each slot, then ask
-        ``unchanged(entries, sequences)`` which copies may be used. Nothing is found once
+        ``changed(entries, sequences)`` which copies may not be used. Nothing is found once
         closed."""
         n = len(keys)
         if self.closed or not n or nbytes > arena_bytes:
             return [], [], _NO_ROWS, _NO_ROWS
+        known = self._known.get((ns_id, nbytes))
+        if known is not None:
+            got = list(map(known.get, keys))
+            if None not in got:
+                entries, seqs, offsets, expires = zip(*got, strict=True)
+                rows = np.array(entries, np.int64)
+                now = self._seq[rows]
+                if min(expires) > time.time() and (now == np.array(seqs, np.uint64)).all():
+                    return list(range(n)), list(offsets), rows, now
+        else:
+            known = self._known[(ns_id, nbytes)] = {}
+        at, offsets, found, seqs, expires = self._lookup(keys, ns_id, nbytes, arena_bytes)
+        if len(known) + len(at) > _KNOWN_MAX:
+            known.clear()
+        for key in keys:
+            known.pop(key, None)
+        for i, entry in zip(at, zip(found.tolist(), seqs.tolist(), offsets, expires,
+                                    strict=True), strict=True):
+            known[keys[i]] = entry
+        return at, offsets, found, seqs
+
+    def _lookup(self, keys: Sequence[bytes], ns_id: bytes, nbytes: int, arena_bytes: int
+                ) -> tuple[list[int], list[int], np.ndarray, np.ndarray, list[float]]:
+        """``find`` in the table (and the TTL deadlines of what it found)."""
         joined = b"".join(keys)
         rows = _rows(joined, self._shift)
         seqs = self._seq[rows]  # first the sequences, then the fields (module docstring)
@@ -214,12 +247,13 @@ class DirectoryReader:
         good = (chosen["ns"] == np.frombuffer(ns_id, "V16")) & (chosen["size"] == nbytes) \
             & (chosen["offset"] <= arena_bytes - nbytes) & (chosen["expires"] > time.time())
         return ((flat[good] // WAYS).tolist(), chosen["offset"][good].tolist(),
-                entries[good], seqs.ravel()[flat[good]])
+                entries[good], seqs.ravel()[flat[good]], chosen["expires"][good].tolist())
 
-    def unchanged(self, entries: np.ndarray, seqs: np.ndarray) -> list[bool]:
-        """Per entry found: is its sequence still the one ``find`` saw (its slot held that
-        chunk throughout the copy made since)?"""
-        return (self._seq[entries] == seqs).tolist()  # type: ignore[no-any-return]
+    def changed(self, entries: np.ndarray, seqs: np.ndarray) -> list[int]:
+        """The positions, among the entries found, of those whose sequence is no longer the
+        one ``find`` saw: their slots may have held other bytes during the copy made since
+        (the others held their chunk throughout)."""
+        return np.flatnonzero(self._seq[entries] != seqs).tolist()
 
     def close(self) -> None:
         """Find nothing from now on; the mapping goes with this object (a reader in
