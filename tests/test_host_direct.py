@@ -5,6 +5,7 @@ ever returns bytes of a slot that changed hands under it (real processes racing)
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -144,3 +145,80 @@ def test_reads_racing_evictions_in_other_processes_never_return_another_chunks_b
     finally:
         stop.touch()
         host.stop()
+
+
+def test_a_flood_of_reported_reads_does_not_stall_another_engines_reads(tmp_path: Path) -> None:
+    """An attached engine may report any keys as read: 64 READS frames of 65,536 keys each
+    (64 MiB) are counted a frame and a batch at a time, never holding the host pool's DRAM
+    lock or its interpreter for the whole flood, so another engine's reads that need them
+    (direct reads off: each pins) keep answering meanwhile; one frame past the limit (4M
+    keys) is refused before its keys are split."""
+    data = host_config(tmp_path, host={"max_frame_bytes": "128MiB"})
+    host = start_host(tmp_path, data)
+    flooder = AttachedPool(engine_config(data))
+    reader = AttachedPool(engine_config(data, direct_reads=False))
+    try:
+        ns = reader.register_namespace(namespace())
+        flooder.register_namespace(ns)
+        keys, datas = chunks(ns, 1, 4)
+        assert reader.put_many(ns, keys, datas) == 4
+        link = flooder._link()
+        assert link is not None
+        frame = np.random.default_rng(0).integers(
+            0, 256, wire.MAX_READS_KEYS * 16, np.uint8).tobytes()
+        outs = [np.zeros_like(d) for d in datas]
+        done: list[float] = []
+        started = time.monotonic()
+
+        def flood() -> None:  # the stats answer comes once every frame before it was counted
+            link.send({"op": wire.READS, "ns": ns.id.hex(), "n": 61 * wire.MAX_READS_KEYS},
+                      frame * 61)
+            for _ in range(64):
+                link.send({"op": wire.READS, "ns": ns.id.hex(), "n": wire.MAX_READS_KEYS},
+                          frame)
+            flooder.stats()
+            done.append(time.monotonic() - started)
+
+        flooding = threading.Thread(target=flood)
+        flooding.start()
+        slowest = 0.0
+        while flooding.is_alive():
+            began = time.monotonic()
+            assert reader.get_many_into(ns, keys, outs) == [True] * 4
+            slowest = max(slowest, time.monotonic() - began)
+        flooding.join()
+        assert done, "the flooder's stats request was not answered"
+        assert done[0] > 0.5, "the flood was counted too fast to tell anything"
+        assert slowest < done[0] / 4, (slowest, done[0])
+        assert flooder.attached and reader.attached
+    finally:
+        flooder.close()
+        reader.close()
+        host.stop()
+
+
+def test_reads_frames_past_the_limit_are_refused_and_others_counted(tmp_path: Path) -> None:
+    """READS frames are counted up to wire.MAX_READS_KEYS keys; a longer one is refused
+    whole (nothing counted), and the connection stays up."""
+    data = host_config(tmp_path)
+    server = HostServer(config_from_dict(data)).start()
+    pool = AttachedPool(engine_config(data))
+    try:
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 1, 4)
+        assert pool.put_many(ns, keys, datas) == 4
+        link = pool._link()
+        assert link is not None
+
+        def hits() -> int:
+            return int(pool.stats()["dram"]["hits"])
+
+        before = hits()
+        limit = wire.MAX_READS_KEYS
+        for n in (limit + 4, limit):  # the same four resident keys, over and over
+            link.send({"op": wire.READS, "ns": ns.id.hex(), "n": n}, b"".join(keys) * (n // 4))
+        assert hits() == before + limit
+        assert pool.attached
+    finally:
+        pool.close()
+        server.stop()

@@ -37,6 +37,7 @@ _QUIET_ROUNDS = 20
 #: to the flusher and the host pool's work on the other core).
 _READS_DELAY_S = 0.05
 _READS_MAX_KEYS = 8192
+_READS_DROP_KEYS = wire.MAX_READS_KEYS  # one namespace's pending reads fit one frame
 
 
 class Detached(KVPoolError):
@@ -178,6 +179,8 @@ class Link:
         with self._unpins_due:
             if self.closed:
                 return
+            if self._read_keys >= _READS_DROP_KEYS:  # the flusher is stuck on a stalled host
+                return  # pool: those reads go uncounted rather than held without bound
             if not self._reads:
                 self._reads_since = time.monotonic()
             pending = self._reads.get(ns_hex)

@@ -311,7 +311,11 @@ class Session:
 
     def _op_reads(self, meta: dict[str, Any], tail: bytearray) -> None:
         """Chunks the engine read through the directory: counted as the pins they replaced
-        (hits, eviction recency), late."""
+        (hits, eviction recency), late. More than ``wire.MAX_READS_KEYS`` is refused (not
+        counted): an engine never sends so many at once."""
+        n = meta.get("n")
+        if not isinstance(n, int) or n > wire.MAX_READS_KEYS:
+            raise Refused(f"a reads frame carries at most {wire.MAX_READS_KEYS} keys")
         self.pool.note_dram_reads(self._ns(meta), self._keys(meta, tail))
 
     def _op_touch(self, meta: dict[str, Any], tail: bytearray) -> Answer:

@@ -55,6 +55,9 @@ FLUSH = "flush"
 STATS = "stats"
 READS = "reads"        # no answer: keys an engine read through the directory, to count
 NO_ANSWER = frozenset({UNPIN, ABORT, READS})
+#: Keys one READS frame may carry (an engine sends at most this many per namespace at once):
+#: a longer list would hold the host pool's interpreter while it is split and counted.
+MAX_READS_KEYS = 1 << 16
 #: A request may carry ``"unpin": [ids]``: pins released before it is served (the engine's
 #: pending unpins ride on its next request instead of a frame of their own).
 UNPIN_FIELD = "unpin"

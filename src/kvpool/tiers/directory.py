@@ -60,6 +60,7 @@ _NO_ROWS = np.zeros(0, np.uint64)
 #: A found entry as a reader remembers it (DirectoryReader._known), and at most how many.
 _Found = tuple[int, int, int, float]
 _KNOWN_MAX = 1 << 16
+_KNOWN_NAMESPACES = 16
 
 
 def entries_for(capacity: int, chunk_hint: int = 32 << 10) -> int:
@@ -222,6 +223,8 @@ class DirectoryReader:
                 if min(expires) > time.time() and (now == np.array(seqs, np.uint64)).all():
                     return list(range(n)), list(offsets), rows, now
         else:
+            if len(self._known) >= _KNOWN_NAMESPACES:
+                self._known.clear()
             known = self._known[(ns_id, nbytes)] = {}
         at, offsets, found, seqs, expires = self._lookup(keys, ns_id, nbytes, arena_bytes)
         if len(known) + len(at) > _KNOWN_MAX:

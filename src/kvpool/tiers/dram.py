@@ -25,6 +25,9 @@ from kvpool.tiers.slots import PinnedBatch, PinnedView, SlotReservation, _Entry
 
 __all__ = ["DramTier", "PinnedBatch", "PinnedView", "SlotReservation"]
 
+#: Reads counted afterwards (``note_reads``) per acquisition of the tier's lock.
+_NOTE_BATCH = 1024
+
 
 class DramTier:
     """Thread-safe. Raises ValueError for a bad geometry (see SlotArena). Evicted chunks go to
@@ -575,19 +578,21 @@ class DramTier:
     def note_reads(self, keys: Sequence[bytes], namespace_id: bytes) -> int:
         """Count reads made without this tier (an attached engine's reads through the
         directory): each resident chunk of ``namespace_id`` is counted as a hit and
-        touched in its policy, as ``pin_batch`` would have, under one lock. Returns how
-        many were; others (evicted since) are ignored, a closed tier counts none."""
+        touched in its policy, as ``pin_batch`` would have, ``_NOTE_BATCH`` keys per lock
+        acquisition (a long list never holds the lock long). Returns how many were; others
+        (evicted since) are ignored, a closed tier counts none."""
         counted = 0
-        with self._lock:
-            if self._closed:
-                return 0
-            get = self._entries.get
-            for key in keys:
-                entry = get(key)
-                if entry is None or entry.ns.id != namespace_id:
-                    continue
-                entry.hits += 1
-                self._policy(entry.slot_size).touch(key)
-                counted += 1
-            self._counters["hits"] += counted
+        for start in range(0, len(keys), _NOTE_BATCH):
+            with self._lock:
+                if self._closed:
+                    return counted
+                get = self._entries.get
+                for key in keys[start:start + _NOTE_BATCH]:
+                    entry = get(key)
+                    if entry is None or entry.ns.id != namespace_id:
+                        continue
+                    entry.hits += 1
+                    self._policy(entry.slot_size).touch(key)
+                    counted += 1
+                    self._counters["hits"] += 1
         return counted
