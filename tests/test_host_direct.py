@@ -222,3 +222,36 @@ def test_reads_frames_past_the_limit_are_refused_and_others_counted(tmp_path: Pa
     finally:
         pool.close()
         server.stop()
+
+
+def test_threads_of_one_engine_read_directly_at_once(tmp_path: Path) -> None:
+    """Engines read from several threads (vLLM's loader, SGLang's I/O threads): concurrent
+    direct reads on one attachment all hit, with the right bytes, and none fails."""
+    data = host_config(tmp_path)
+    server = HostServer(config_from_dict(data)).start()
+    pool = AttachedPool(engine_config(data))
+    errors: list[BaseException] = []
+    try:
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 1, 2)
+        assert pool.put_many(ns, keys, datas) == 2
+
+        def reader() -> None:
+            outs = [np.zeros_like(d) for d in datas]
+            try:
+                for _ in range(300):
+                    assert pool.get_many_into(ns, keys, outs) == [True] * 2
+                    assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert pool.stats()["attached"]["direct_hits"] > 0
+    finally:
+        pool.close()
+        server.stop()

@@ -113,8 +113,6 @@ class Link:
                 socket.close(fds[1])
         wire.set_kernel_timeouts(self.sock, host.request_timeout_s)
         self._reader = wire.FrameReader(self.sock)
-        self._poller = select.poll()  # ``alive``: readable, hung up or failed
-        self._poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         threading.Thread(target=self._flush_unpins, name="kvpool-host-unpin",
                          daemon=True).start()
         #: The whole arena: slots are slices of it (no memoryview of the mapping per slot).
@@ -164,11 +162,13 @@ class Link:
     def alive(self) -> bool:
         """Whether the connection looks up: not closed, and nothing to read on it (a host
         pool that died or closed it makes it readable; a live one sends nothing unasked).
-        One poll, no wait. False also while another thread's answer is arriving."""
+        One ``select``, no wait (a ``select.poll`` object would be shared by the engine's
+        threads, and refuses concurrent calls). False also while another thread's answer
+        is arriving."""
         if self.closed:
             return False
         try:
-            return not self._poller.poll(0)
+            return not select.select((self.sock,), (), (), 0)[0]
         except (OSError, ValueError):
             return False
 
