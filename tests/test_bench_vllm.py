@@ -48,7 +48,11 @@ def test_the_engine_label_is_what_ran(tmp_path: Path,
     report = bench.run_vllm_bench(quick=True, repeats=1, work=tmp_path)
     # every mode, then the cross-instance case's recompute and engines A and B, in float32
     # (no TP=2 with --quick)
-    assert len(ran) == len(bench.MODES) + 3
+    assert len(ran) == len(bench.MODES) + len(bench.SECOND_ROUND) + 3
+    # the second round: the same specs again, after the first round's
+    rounds = len(bench.MODES) + len(bench.SECOND_ROUND)
+    assert ran[len(bench.MODES):rounds] == [ran[bench.MODES.index(m)]
+                                            for m in bench.SECOND_ROUND]
     assert ran[-3]["connector"] is None and ran[-3]["prompts"] == ran[-1]["prompts"]
     assert [s["connector"]["extra"]["config"]["host"] for s in ran[-2:]] == \
         [{"socket": str(tmp_path / "cross_instance" / "host" / "host.sock")}] * 2
@@ -64,6 +68,11 @@ def test_the_engine_label_is_what_ran(tmp_path: Path,
         assert spec["prompts"][hit_per_doc:hit_per_doc + per_doc] == \
             recompute["prompts"][per_doc:]
     assert report["hit_repeats"] == bench.HIT_REPEATS_FACTOR
+    for mode in bench.MODES:  # the second round's hits pooled with the first's
+        runs = 2 if mode in bench.SECOND_ROUND else 1
+        assert report["modes"][mode]["runs"] == runs
+        samples = report["modes"][mode]["ttft"]["1024"]["samples_s"]
+        assert len(samples) == runs * (1 if mode == "recompute" else bench.HIT_REPEATS_FACTOR)
     assert report["engine"] == "vllm 9.8.7 on cpu (float32, eager)"
     assert report["modes"]["kvpool"]["engine"]["model"] == str(tmp_path / "model")
     assert report["ratios"]["ttft_hit_vs_recompute"] == pytest.approx(0.2)
@@ -197,3 +206,15 @@ def test_an_engine_bench_command_writes_json_or_says_why_it_failed(
     assert run_in_work_dir("serve", str(tmp_path / "w"), None, failing, print) == 2
     assert "kvpool bench serve: no vLLM venv" in capsys.readouterr().err
     assert seen[1] == tmp_path / "w" and seen[1].exists()  # a given work dir is kept
+
+
+def test_a_second_run_pools_its_hits_and_keeps_the_first_runs_first_request() -> None:
+    first = {"1024": {"median_s": 0.2, "p99_s": 0.3, "samples_s": [0.1, 0.2, 0.3],
+                      "first_request_s": 4.0}}
+    second = {"1024": {"median_s": 0.5, "p99_s": 0.6, "samples_s": [0.4, 0.5, 0.6],
+                       "first_request_s": 0.15}}
+    pooled = bench._pooled(first, second)["1024"]
+    assert pooled["samples_s"] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    assert pooled["median_s"] == pytest.approx(0.35)
+    assert pooled["p99_s"] == pytest.approx(np.percentile(pooled["samples_s"], 99))
+    assert pooled["first_request_s"] == 4.0
