@@ -388,7 +388,8 @@ def engine_label(info: dict[str, Any]) -> str:
 def _print(report: dict[str, Any]) -> None:
     print(f"TTFT, {report['model']} on {report['engine']}: document + {QUESTION_TOKENS}-token "
           f"question, median / p99 over {report['repeats']} requests per document "
-          f"(recompute), {report.get('hit_repeats', report['repeats'])} (the others)")
+          f"(recompute), {report.get('hit_repeats', report['repeats'])} (the others; "
+          f"{' and '.join(SECOND_ROUND)}: twice as many, from two engine runs)")
     print(f"{'doc':>7} " + " ".join(f"{m:>22}" for m in MODES))
     for n in report["lengths"]:
         cells = []
