@@ -57,6 +57,8 @@ def test_two_attached_processes_share_hits_and_one_copy(tmp_path: Path) -> None:
                 v.release()
         status, text = _http(f"http://127.0.0.1:{port}/metrics")
         assert status == 200 and "kvpool_lookups_total" in text
+        assert "kvpool_read_directory_chunks 4.0" in text  # the 4 chunks, read directly
+        assert "kvpool_read_directory_full_total 0.0" in text
     finally:
         assert host.stop() == 0
 

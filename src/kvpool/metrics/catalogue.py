@@ -99,6 +99,12 @@ def _specs() -> list[MetricSpec]:
         MetricSpec("kvpool_capacity_bytes", "gauge", "Capacity of a tier.", ("tier",)),
         MetricSpec("kvpool_used_bytes", "gauge", "Bytes in use in a tier.", ("tier",)),
         MetricSpec("kvpool_chunks", "gauge", "Chunks a tier holds.", ("tier",)),
+        MetricSpec("kvpool_read_directory_chunks", "gauge",
+                   "DRAM chunks a host pool's read directory shows its attached engines, "
+                   "which read them without asking (host.direct_reads)."),
+        MetricSpec("kvpool_read_directory_full_total", "counter",
+                   "DRAM chunks the read directory had no room for (a full bucket): their "
+                   "reads ask the host pool; raise host.directory_entries."),
         MetricSpec("kvpool_node_up", "gauge",
                    "1 if this client sees the storage node live, 0 if it marked it down.",
                    ("node",)),

@@ -91,6 +91,9 @@ def tier_counters(out: Families, stats: Stats) -> None:
         out.add("kvpool_capacity_bytes", dram["capacity_bytes"], "dram")
         out.add("kvpool_used_bytes", dram["used_bytes"], "dram")
         out.add("kvpool_chunks", dram["entries"], "dram")
+        if "directory_entries" in dram:  # a host pool's tenant pool (tiers/directory.py)
+            out.add("kvpool_read_directory_chunks", dram["directory_entries"])
+            out.add("kvpool_read_directory_full_total", dram["directory_full"])
     for path, tier, queue, error_cause in ((("write_behind",), "ssd_staging",
                                             "ssd_write_behind", "write_error"),
                                            (("remote", "write_behind"), "cluster_staging",
