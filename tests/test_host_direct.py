@@ -255,3 +255,33 @@ def test_threads_of_one_engine_read_directly_at_once(tmp_path: Path) -> None:
     finally:
         pool.close()
         server.stop()
+
+
+def test_a_key_the_directory_lists_twice_never_stands_for_another(tmp_path: Path) -> None:
+    """A lookup may list a key twice (it moved between two ways of its bucket while the
+    ways were read); the other keys of the read are still copied or asked for, never taken
+    as read because the count of what was found matched the count of keys."""
+    data = host_config(tmp_path)
+    server = HostServer(config_from_dict(data)).start()
+    pool = AttachedPool(engine_config(data))
+    try:
+        ns = pool.register_namespace(namespace())
+        keys, datas = chunks(ns, 1, 2)
+        assert pool.put_many(ns, keys, datas) == 2
+        link = pool._link()
+        assert link is not None and link.directory is not None
+        directory = link.directory
+        real = directory.find
+
+        def twice_the_first(keys, ns_id, nbytes, arena):  # type: ignore[no-untyped-def]
+            at, offsets, entries, seqs = real(keys, ns_id, nbytes, arena)
+            return ([at[0], at[0]], [offsets[0], offsets[0]], entries[[0, 0]], seqs[[0, 0]])
+
+        directory.find = twice_the_first  # type: ignore[method-assign]
+        outs = [np.zeros_like(d) for d in datas]
+        assert pool.get_many_into(ns, keys, outs) == [True, True]
+        assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
+        assert pool.stats()["attached"]["direct_hits"] == 1  # the second key was asked for
+    finally:
+        pool.close()
+        server.stop()

@@ -462,14 +462,10 @@ class AttachedPool:
         if changed:  # their slots changed hands during the copy: asked for instead
             dropped = {at[j] for j in changed}
             at = [i for i in at if i not in dropped]
-        n = len(keys)
-        if len(at) == n:
-            found, read = [True] * n, list(keys)
-        else:
-            found = [False] * n
-            for i in at:
-                found[i] = True
-            read = [keys[i] for i in at]
+        found = [False] * len(keys)
+        for i in at:  # a key may be listed twice (found in two ways during a move)
+            found[i] = True
+        read = list(keys) if all(found) else [k for k, hit in zip(keys, found, strict=True) if hit]
         if read:
             link.reads_later(ns.id.hex(), read)
         self._counters.add_many({"dram_hits": len(read), "direct_hits": len(read),

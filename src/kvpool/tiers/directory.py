@@ -208,8 +208,9 @@ class DirectoryReader:
              ) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
         """Where ``keys`` of namespace ``ns_id`` lie now: (indices into ``keys`` found,
         their slot offsets, their entries, their sequences). Copy each slot, then ask
-        ``changed(entries, sequences)`` which copies may not be used. Nothing is found once
-        closed."""
+        ``changed(entries, sequences)`` which copies may not be used. An index may come
+        twice (a key moved to another way of its bucket while the ways were read: one of
+        the two then changed). Nothing is found once closed."""
         n = len(keys)
         if self.closed or not n or nbytes > arena_bytes:
             return [], [], _NO_ROWS, _NO_ROWS
