@@ -28,6 +28,7 @@ from kvpool.metrics.recorder import LabeledLatency
 from kvpool.net.connection import NodeConnection
 from kvpool.net.protocol import HEADER_BYTES, AuthError
 from kvpool.pool import KVPool
+from kvpool.tiers.directory import MIN_ENTRIES, ReadDirectory
 
 CHUNK = 64 * 1024
 TOKEN, ADMIN = "token-acme-123", "admin-token-0"
@@ -86,12 +87,14 @@ def test_node_metrics_move_by_exactly_what_a_client_did(metrics_node: NodeProces
 
 def test_every_catalogue_metric_is_exported_and_nothing_else(metrics_node: NodeProcess,
                                                              tmp_path: Path) -> None:
-    """A client pool with DRAM, SSD and the node, the node itself and an engine collector
-    export every name of the catalogue, and no kvpool_ name the catalogue lacks."""
+    """A client pool with DRAM (keeping a read directory, as a host pool's tenant pool
+    does), SSD and the node, the node itself and an engine collector export every name of
+    the catalogue, and no kvpool_ name the catalogue lacks."""
     cfg = small_config(tmp_path / "client", cluster={"nodes": [metrics_node.address],
                                                      "token": TOKEN})
     ns = byte_namespace(CHUNK, salt="acme:b")
     with KVPool(cfg) as pool:
+        assert pool.share_directory(ReadDirectory(MIN_ENTRIES))
         pool.register_namespace(ns)
         key = ns.chunk_keys([3])[0]
         pool.put(ns, key, payload_for(key, CHUNK))
