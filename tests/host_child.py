@@ -9,7 +9,7 @@ pool's ``save`` with a fill callback and ``load`` with a scatter callback, then 
 N_PIN chunks of SEED, reserves N_RESERVE new ones, half filled, then sleeps), ``load
 STOP_FILE`` (puts and reads in a loop, ``started`` once a round hit, until STOP_FILE exists
 or 90 s passed; then its errors, slowest call and attaches), ``churn STOP_FILE SECONDS``
-(puts 16 chunks whose bytes name their keys, four at a time, over 8 DRAM slots) and
+(puts 16 chunks whose bytes derive from their keys, four at a time, over 8 DRAM slots) and
 ``verify STOP_FILE SECONDS`` (reads them in a loop: hits, wrong bytes, direct reads).
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from kvtest import payload_for
 
 from kvpool.config import config_from_dict
 from kvpool.host.client import AttachedPool
@@ -125,7 +126,7 @@ def main(mode: str, config_path: str, *args: str) -> int:
     elif mode in ("churn", "verify"):  # the directory race: tests/test_host_direct.py
         ns = pool.register_namespace(namespace())
         keys = chunks(ns, 77, CHURN_KEYS)[0]
-        datas = [keyed(ns, key) for key in keys]
+        datas = [payload_for(key, ns.chunk_bytes) for key in keys]
         deadline = time.monotonic() + float(args[1])
         stop = Path(args[0])
         rounds, hits, wrong = 0, 0, 0
@@ -151,12 +152,6 @@ def main(mode: str, config_path: str, *args: str) -> int:
 
 #: The chunks the churn writer cycles through: twice the test host's 8 DRAM slots.
 CHURN_KEYS = 16
-
-
-def keyed(ns: Namespace, key: bytes) -> np.ndarray:
-    """A chunk whose bytes name its key (its key repeated): a read that returns another
-    chunk's bytes is seen."""
-    return np.frombuffer(key * (ns.chunk_bytes // len(key)), np.uint8).copy()
 
 
 if __name__ == "__main__":

@@ -4,20 +4,23 @@ ever returns bytes of a slot that changed hands under it (real processes racing)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from host_child import CHURN_KEYS, chunks, keyed, namespace
+from host_child import CHURN_KEYS, chunks, namespace
 from host_support import child, engine_config, host_config, start_host, write_config
-from kvtest import wait_for
+from kvtest import payload_for, wait_for
 
 from kvpool.config import config_from_dict
 from kvpool.host import wire
 from kvpool.host.client import AttachedPool
 from kvpool.host.server import HostServer
+from kvpool.keys import Namespace
 
 
 def test_reads_skip_the_round_trip_and_the_host_pool_still_counts_them(tmp_path: Path) -> None:
@@ -118,7 +121,7 @@ def test_reads_racing_evictions_in_other_processes_never_return_another_chunks_b
         tmp_path: Path) -> None:
     """One engine process saves 16 chunks, four at a time, through the host pool's 8 DRAM
     slots (every save evicts; slots change hands all the time); two others read all 16 in
-    a loop through the directory and check each hit's bytes, which name its key. Every hit
+    a loop through the directory and check each hit's bytes, which derive from its key. Every hit
     carries its own chunk's bytes; the readers hit, directly."""
     data = host_config(tmp_path, dram={"put_wait_s": 0.05})
     host = start_host(tmp_path, data)
@@ -128,7 +131,7 @@ def test_reads_racing_evictions_in_other_processes_never_return_another_chunks_b
         seed = AttachedPool(config_from_dict(data))
         ns = seed.register_namespace(namespace())
         keys = chunks(ns, 77, CHURN_KEYS)[0]
-        assert seed.put_many(ns, keys[:8], [keyed(ns, k) for k in keys[:8]]) == 8
+        assert seed.put_many(ns, keys[:8], [payload_for(k, ns.chunk_bytes) for k in keys[:8]]) == 8
         seed.close()
         writer = child("churn", config, stop, 30)
         readers = [child("verify", config, stop, 30) for _ in range(2)]
@@ -197,16 +200,28 @@ def test_a_flood_of_reported_reads_does_not_stall_another_engines_reads(tmp_path
         host.stop()
 
 
-def test_reads_frames_past_the_limit_are_refused_and_others_counted(tmp_path: Path) -> None:
-    """READS frames are counted up to wire.MAX_READS_KEYS keys; a longer one is refused
-    whole (nothing counted), and the connection stays up."""
+@contextlib.contextmanager
+def one_engine(tmp_path: Path, stored: int) -> Iterator[tuple[AttachedPool, Namespace,
+                                                             list[bytes], list[np.ndarray]]]:
+    """A host pool in this process and one attached engine that stored ``stored`` chunks:
+    (pool, namespace, keys, bytes). Both are closed afterwards."""
     data = host_config(tmp_path)
     server = HostServer(config_from_dict(data)).start()
     pool = AttachedPool(engine_config(data))
     try:
         ns = pool.register_namespace(namespace())
-        keys, datas = chunks(ns, 1, 4)
-        assert pool.put_many(ns, keys, datas) == 4
+        keys, datas = chunks(ns, 1, stored)
+        assert pool.put_many(ns, keys, datas) == stored
+        yield pool, ns, keys, datas
+    finally:
+        pool.close()
+        server.stop()
+
+
+def test_reads_frames_past_the_limit_are_refused_and_others_counted(tmp_path: Path) -> None:
+    """READS frames are counted up to wire.MAX_READS_KEYS keys; a longer one is refused
+    whole (nothing counted), and the connection stays up."""
+    with one_engine(tmp_path, 4) as (pool, ns, keys, _):
         link = pool._link()
         assert link is not None
 
@@ -219,22 +234,13 @@ def test_reads_frames_past_the_limit_are_refused_and_others_counted(tmp_path: Pa
             link.send({"op": wire.READS, "ns": ns.id.hex(), "n": n}, b"".join(keys) * (n // 4))
         assert hits() == before + limit
         assert pool.attached
-    finally:
-        pool.close()
-        server.stop()
 
 
 def test_threads_of_one_engine_read_directly_at_once(tmp_path: Path) -> None:
     """Engines read from several threads (vLLM's loader, SGLang's I/O threads): concurrent
     direct reads on one attachment all hit, with the right bytes, and none fails."""
-    data = host_config(tmp_path)
-    server = HostServer(config_from_dict(data)).start()
-    pool = AttachedPool(engine_config(data))
     errors: list[BaseException] = []
-    try:
-        ns = pool.register_namespace(namespace())
-        keys, datas = chunks(ns, 1, 2)
-        assert pool.put_many(ns, keys, datas) == 2
+    with one_engine(tmp_path, 2) as (pool, ns, keys, datas):
 
         def reader() -> None:
             outs = [np.zeros_like(d) for d in datas]
@@ -252,22 +258,13 @@ def test_threads_of_one_engine_read_directly_at_once(tmp_path: Path) -> None:
             t.join()
         assert errors == []
         assert pool.stats()["attached"]["direct_hits"] > 0
-    finally:
-        pool.close()
-        server.stop()
 
 
 def test_a_key_the_directory_lists_twice_never_stands_for_another(tmp_path: Path) -> None:
     """A lookup may list a key twice (it moved between two ways of its bucket while the
     ways were read); the other keys of the read are still copied or asked for, never taken
     as read because the count of what was found matched the count of keys."""
-    data = host_config(tmp_path)
-    server = HostServer(config_from_dict(data)).start()
-    pool = AttachedPool(engine_config(data))
-    try:
-        ns = pool.register_namespace(namespace())
-        keys, datas = chunks(ns, 1, 2)
-        assert pool.put_many(ns, keys, datas) == 2
+    with one_engine(tmp_path, 2) as (pool, ns, keys, datas):
         link = pool._link()
         assert link is not None and link.directory is not None
         directory = link.directory
@@ -282,6 +279,3 @@ def test_a_key_the_directory_lists_twice_never_stands_for_another(tmp_path: Path
         assert pool.get_many_into(ns, keys, outs) == [True, True]
         assert all(np.array_equal(o, d) for o, d in zip(outs, datas, strict=True))
         assert pool.stats()["attached"]["direct_hits"] == 1  # the second key was asked for
-    finally:
-        pool.close()
-        server.stop()

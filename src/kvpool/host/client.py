@@ -465,7 +465,7 @@ class AttachedPool:
         found = [False] * len(keys)
         for i in at:  # a key may be listed twice (found in two ways during a move)
             found[i] = True
-        read = list(keys) if all(found) else [k for k, hit in zip(keys, found, strict=True) if hit]
+        read = keys if all(found) else [k for k, hit in zip(keys, found, strict=True) if hit]
         if read:
             link.reads_later(ns.id.hex(), read)
         self._counters.add_many({"dram_hits": len(read), "direct_hits": len(read),

@@ -16,6 +16,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.config import HostConfig
@@ -172,15 +173,16 @@ class Link:
         except (OSError, ValueError):
             return False
 
-    def reads_later(self, ns_hex: str, keys: list[bytes]) -> None:
+    def reads_later(self, ns_hex: str, keys: Sequence[bytes]) -> None:
         """Tell the host pool of chunks read through the directory (its counts and its
         eviction's recency), with the next request or by the flusher within
         ``_READS_DELAY_S``."""
         with self._unpins_due:
             if self.closed:
                 return
-            if self._read_keys >= _READS_DROP_KEYS:  # the flusher is stuck on a stalled host
-                return  # pool: those reads go uncounted rather than held without bound
+            if self._read_keys + len(keys) > _READS_DROP_KEYS:  # the flusher is stuck on a
+                return  # stalled host pool: these go uncounted, not held without bound (nor
+            # into a frame past what the host pool counts)
             if not self._reads:
                 self._reads_since = time.monotonic()
             pending = self._reads.get(ns_hex)
