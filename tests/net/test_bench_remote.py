@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from kvpool.bench.cores import placements
 from kvpool.bench.remote import RemotePlan, run_remote_bench
 
 KiB = 1024
@@ -35,6 +36,13 @@ def test_tiny_remote_bench_reports_every_ratio() -> None:
     assert _positive(data["exists_prefix_512_p99_ms"])
     assert _positive(data["remote_get_4k_p50_us"])
     assert data["small_get"]["kvpool"]["calls"] == data["small_get"]["raw"]["calls"] == 20
+    assert _positive(data["ratios"]["remote_get_4k_vs_raw_socket"])
+    where = data["small_get"]["placements"]  # the headline is the first placement's
+    assert list(where) == [p[0] for p in placements()]
+    assert data["remote_get_4k_placement"] == data["small_get"]["placement"] == next(iter(where))
+    assert data["remote_get_4k_p50_us"] == where[next(iter(where))]["kvpool"]["p50_us"]
+    for fig in where.values():
+        assert fig["kvpool"]["calls"] == fig["raw"]["calls"] == 20
     tls = data["tls"]  # the same GET case through a TLS node, passes alternating with plain
     assert tls["chunk_bytes"] == TINY.headline_size and tls["threads"] == 1
     assert len(tls["kvpool"]["pass_wall_s"]) == len(tls["reference"]["pass_wall_s"]) == 2
@@ -94,6 +102,7 @@ def test_remote_steps_time_every_step_of_a_4k_get_on_both_sides() -> None:
         steps, whole, cpu = remote_steps.node_steps(50, size)
         assert len(steps) == 11 and all(_positive(us) for us in steps.values())
         assert _positive(whole) and _positive(cpu)
-    csteps, kv_p50, raw_p50 = remote_steps.client_steps(50)
-    assert len(csteps) == 8 and all(_positive(us) for us in csteps.values())
-    assert _positive(kv_p50) and _positive(raw_p50)
+    for placement in placements():
+        csteps, kv_p50, raw_p50 = remote_steps.client_steps(50, placement)
+        assert len(csteps) == 8 and all(_positive(us) for us in csteps.values())
+        assert _positive(kv_p50) and _positive(raw_p50)

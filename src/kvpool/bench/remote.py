@@ -13,7 +13,10 @@ with 1 and 4 threads (a connection per thread for every system); each op moves o
 * a prefix lookup of 512 keys (all present; one EXISTS with a per-key answer) per call,
   p50 / p99, beside a raw 512-key round trip and Redis ``EXISTS`` of the same 512 keys.
 * small GETs: one 4 KiB chunk per call, one thread, p50 / p99 in µs beside the raw socket's
-  (``remote_get_4k_p50_us``; calls alternate kvpool / raw).
+  (``remote_get_4k_p50_us``; calls alternate kvpool / raw), once with the client on one core
+  and both servers' threads on another (the headline) and once all on one core
+  (``kvpool.bench.cores``: unpinned, the scheduler kept the raw server on the client's core
+  and the node off it, and measured that).
 
 Passes alternate kvpool / raw / Redis so machine noise hits all three; each GET pass checks the
 last chunk every thread read against the bytes written.
@@ -44,6 +47,7 @@ import yaml
 from rich.console import Console
 
 from kvpool.bench.certs import make_certs, openssl_available
+from kvpool.bench.cores import pinned, placements
 from kvpool.bench.remote_peers import Process, RawClient, start_raw_server, start_redis
 from kvpool.bench.stats import (
     BenchFailure,
@@ -263,10 +267,13 @@ def _bench_exists(sys_: _Systems, plan: RemotePlan) -> dict[str, Any]:
                    "calls": len(v)} for name, v in lat.items() if v}
 
 
-def _bench_small_get(sys_: _Systems, plan: RemotePlan) -> dict[str, Any]:
+def _bench_small_get(sys_: _Systems, plan: RemotePlan,
+                     servers: Sequence[int]) -> dict[str, Any]:
     """One 4 KiB GET per call, one thread, calls alternating kvpool / raw socket: the
-    per-request cost where the bytes cost nothing. Raises BenchFailure on a miss or wrong
-    bytes."""
+    per-request cost where the bytes cost nothing. Measured once per placement of the threads
+    (``kvpool.bench.cores``: the client on one core and both servers' threads on another,
+    then all on one), so both systems meet the same wake-ups; the first placement is the
+    headline. Raises BenchFailure on a miss or wrong bytes."""
     size = 4 * KiB
     ns: Namespace = namespace_for(size)
     sys_.kv.register_namespace(ns)
@@ -277,24 +284,30 @@ def _bench_small_get(sys_: _Systems, plan: RemotePlan) -> dict[str, Any]:
     out = np.zeros(size, np.uint8)
     view = byte_view(out, writable=True)
     kv, raw = sys_.kv, sys_.raw[0]
-    lat: dict[str, list[float]] = {"kvpool": [], "raw": []}
-    for i in range(plan.small_get_calls + 50):  # the first 50: warm-up, not kept
-        key = [keys[i % len(keys)]]
-        t0 = time.perf_counter()
-        hit = kv.get_many_into(ns, key, [view])[0]
-        t1 = time.perf_counter()
-        raw.get_into(i % 8, view[:size])
-        t2 = time.perf_counter()
-        if not hit:
-            raise BenchFailure("a small GET missed a stored chunk")
-        if i >= 50:
-            lat["kvpool"].append(t1 - t0)
-            lat["raw"].append(t2 - t1)
+    by_placement: dict[str, dict[str, Any]] = {}
+    for placement in placements():
+        lat: dict[str, list[float]] = {"kvpool": [], "raw": []}
+        with pinned(placement, servers):
+            for i in range(plan.small_get_calls + 50):  # the first 50: warm-up, not kept
+                key = [keys[i % len(keys)]]
+                t0 = time.perf_counter()
+                hit = kv.get_many_into(ns, key, [view])[0]
+                t1 = time.perf_counter()
+                raw.get_into(i % 8, view[:size])
+                t2 = time.perf_counter()
+                if not hit:
+                    raise BenchFailure("a small GET missed a stored chunk")
+                if i >= 50:
+                    lat["kvpool"].append(t1 - t0)
+                    lat["raw"].append(t2 - t1)
+        by_placement[placement[0]] = {
+            name: {"p50_us": percentile(v, 50) * 1e6, "p99_us": percentile(v, 99) * 1e6,
+                   "calls": len(v)} for name, v in lat.items()}
     kv.get_many_into(ns, keys[:1], [view])
     _verify("small get", out, data)
     sys_.kv.invalidate(ns)
-    return {name: {"p50_us": percentile(v, 50) * 1e6, "p99_us": percentile(v, 99) * 1e6,
-                   "calls": len(v)} for name, v in lat.items()}
+    headline = next(iter(by_placement))
+    return {**by_placement[headline], "placement": headline, "placements": by_placement}
 
 
 def _bench_tls(sys_: _Systems, plan: RemotePlan, scratch: Path,
@@ -389,9 +402,10 @@ def run_remote_bench(plan: RemotePlan,
             log(f"{human_bytes(size)} chunks: {plan.chunks(size)} per pass")
             _bench_size(systems, plan, size, rows, log)
         exists = _bench_exists(systems, plan)
-        small_get = _bench_small_get(systems, plan)
-        log(f"  get 4 KiB 1t: kvpool p50 {small_get['kvpool']['p50_us']:.0f} µs, raw "
-            f"{small_get['raw']['p50_us']:.0f} µs")
+        small_get = _bench_small_get(systems, plan, [node.proc.pid, raw.proc.pid])
+        for where, fig in small_get["placements"].items():
+            log(f"  get 4 KiB 1t ({where}): kvpool p50 {fig['kvpool']['p50_us']:.0f} µs, raw "
+                f"{fig['raw']['p50_us']:.0f} µs")
         if openssl_available():
             tls_row = _bench_tls(systems, plan, scratch, log)
         else:
@@ -419,6 +433,8 @@ def run_remote_bench(plan: RemotePlan,
         ratios["remote_get_256k_vs_raw_socket"] = small
     if tls_row is not None:
         ratios["remote_get_tls_vs_plain"] = tls_row.ratio
+    ratios["remote_get_4k_vs_raw_socket"] = (small_get["raw"]["p50_us"]
+                                             / small_get["kvpool"]["p50_us"])
     return {
         "bench": "remote",
         "quick": plan.quick,
@@ -430,6 +446,7 @@ def run_remote_bench(plan: RemotePlan,
         "exists_prefix_512_p99_ms": exists["kvpool"]["p99_ms"],
         "exists_prefix": exists,
         "remote_get_4k_p50_us": small_get["kvpool"]["p50_us"],
+        "remote_get_4k_placement": small_get["placement"],
         "small_get": small_get,
         "cases": [dict(r.to_json(), id=f"{r.case}/{r.chunk_bytes}/{r.threads}t/"
                                        f"{r.reference_name}") for r in rows],
@@ -509,10 +526,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     console.print("lookup (EXISTS) of 512 keys, per call (p50 / p99):")
     for name, fig in result["exists_prefix"].items():
         console.print(f"  {name:8s} {fig['p50_ms']:.3f} ms / {fig['p99_ms']:.3f} ms")
-    small = result["small_get"]
-    console.print(f"GET of one 4 KiB chunk (p50 / p99): kvpool {small['kvpool']['p50_us']:.0f} / "
-                  f"{small['kvpool']['p99_us']:.0f} µs, raw socket {small['raw']['p50_us']:.0f} / "
-                  f"{small['raw']['p99_us']:.0f} µs")
+    console.print("GET of one 4 KiB chunk (p50 / p99), by where the threads ran (the first is "
+                  "remote_get_4k_p50_us):")
+    for where, small in result["small_get"]["placements"].items():
+        console.print(f"  {where:10s} kvpool {small['kvpool']['p50_us']:.0f} / "
+                      f"{small['kvpool']['p99_us']:.0f} µs, raw socket "
+                      f"{small['raw']['p50_us']:.0f} / {small['raw']['p99_us']:.0f} µs")
     console.print("ratios (kvpool / reference, > 1 = kvpool faster):")
     for name, value in result["ratios"].items():
         console.print(f"  {name:32s} {value:6.2f}x")

@@ -10,7 +10,8 @@
   for a core on a loaded machine does not inflate);
 * **client**: ``ClusterClient.get_many_into`` against a ``kvpool serve`` process, calls
   alternating with the raw-socket reference of ``kvpool bench remote``, p50 of each; then the
-  client's steps, timed one by one on the same connection.
+  client's steps, timed one by one on the same connection; once per placement of the
+  threads (``kvpool.bench.cores``: the servers on another core, then all on one).
 
 The steps repeat the code path of this version (store.get, NodeConnection.get_views and
 _get_answer); when that path changes, so must they. Figures on a loaded machine are
@@ -33,6 +34,7 @@ from time import perf_counter_ns as now
 
 import numpy as np
 
+from kvpool.bench.cores import Placement, pinned, placements
 from kvpool.bench.remote import RemotePlan, _start_node
 from kvpool.bench.remote_peers import RawClient, start_raw_server
 from kvpool.bench.storage_common import namespace_for
@@ -169,8 +171,9 @@ def node_steps(calls: int, size: int = SIZE) -> tuple[dict[str, float], float, f
         pool.close()
 
 
-def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
-    """(median µs per client step, kvpool GET p50 µs, raw socket p50 µs)."""
+def client_steps(calls: int, placement: Placement) -> tuple[dict[str, float], float, float]:
+    """(median µs per client step, kvpool GET p50 µs, raw socket p50 µs), with this thread
+    and both servers' threads where ``placement`` says (``kvpool.bench.cores``)."""
     scratch = Path(tempfile.mkdtemp(prefix="kvpool-steps-"))
     node = _start_node(scratch, RemotePlan(sizes=(SIZE,), headline_size=SIZE,
                                            pass_bytes=1 << 20))
@@ -241,11 +244,12 @@ def client_steps(calls: int) -> tuple[dict[str, float], float, float]:
 
         gc.collect()
         gc.freeze()
-        _run(paired, 300)
-        kv_lat.clear()
-        raw_lat.clear()
-        _run(paired, calls)
-        _run(stepped, calls)
+        with pinned(placement, [node.proc.pid, raw_server.proc.pid]):
+            _run(paired, 300)
+            kv_lat.clear()
+            raw_lat.clear()
+            _run(paired, calls)
+            _run(stepped, calls)
         return {k: _median_us(v) for k, v in steps.items()}, _median_us(kv_lat), \
             _median_us(raw_lat)
     finally:
@@ -285,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"node, in process: handle() p50 {whole:.1f} µs; thread CPU per request "
           f"(with the client side's send and receive) {cpu:.1f} µs")
     _print_steps(steps)
-    csteps, kv_p50, raw_p50 = client_steps(args.calls)
-    print(f"client: ClusterClient.get_many_into p50 {kv_p50:.1f} µs, raw socket p50 "
-          f"{raw_p50:.1f} µs ({kv_p50 / raw_p50:.2f}x)")
-    _print_steps(csteps)
+    for placement in placements():
+        csteps, kv_p50, raw_p50 = client_steps(args.calls, placement)
+        print(f"client ({placement[0]}): ClusterClient.get_many_into p50 {kv_p50:.1f} µs, "
+              f"raw socket p50 {raw_p50:.1f} µs ({kv_p50 / raw_p50:.2f}x)")
+        _print_steps(csteps)
     return 0
 
 
