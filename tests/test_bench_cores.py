@@ -6,23 +6,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvpool.bench.cores import pinned, placements
 
-# A server with threads: the main thread starts two, one at once and one after 0.5 s (while
-# the caller may hold its placement: it must inherit it, and be put back).
+# A server with threads: the main thread starts one at once and one more when told (a line
+# on stdin), which the test does while it holds a placement: that thread must inherit it,
+# and be put back afterwards.
 SERVER = """
 import sys, threading, time
 threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-def later():
-    time.sleep(0.5)
-    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-    time.sleep(60)
-threading.Thread(target=later, daemon=True).start()
 print("ready", flush=True)
+sys.stdin.readline()
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print("started", flush=True)
 time.sleep(60)
 """
 
@@ -33,18 +31,23 @@ def _affinities(pid: int) -> dict[int, set[int]]:
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 def test_each_placement_pins_the_caller_and_every_server_thread_then_puts_them_back() -> None:
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        assert server.stdin is not None and server.stdout is not None
+        assert server.stdout.readline().strip() == "ready"
         mine = os.sched_getaffinity(0)
         before = _affinities(server.pid)
         names = [p[0] for p in placements()]
         assert names in (["cross_core", "same_core"], ["same_core"])
-        for placement in placements():
+        for n, placement in enumerate(placements()):
             _, client_core, server_core = placement
             with pinned(placement, [server.pid]):
                 assert os.sched_getaffinity(0) == {client_core}
-                time.sleep(0.8)  # the late thread starts inside
+                if n == 0:  # the late thread starts inside the first placement
+                    server.stdin.write("go\n")
+                    server.stdin.flush()
+                    assert server.stdout.readline().strip() == "started"
                 during = _affinities(server.pid)
                 assert set(during) >= set(before)
                 assert all(cpus == {server_core} for cpus in during.values()), during
@@ -53,7 +56,7 @@ def test_each_placement_pins_the_caller_and_every_server_thread_then_puts_them_b
             for tid, cpus in after.items():
                 assert cpus == before.get(tid, before[server.pid]), (tid, cpus)
             before = after
-        assert len(before) == 4, "the late thread did not start"
+        assert len(before) == 3, "the late thread did not start"
         if len(mine) >= 2:
             cross = placements()[0]
             assert cross[1] != cross[2]  # servers on a core of their own

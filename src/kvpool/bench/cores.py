@@ -4,7 +4,7 @@ A one-thread round trip over loopback costs mostly the two wake-ups, and on a VM
 on another core (an inter-processor interrupt, a halted vCPU to resume) costs several times
 one on the waker's own core. Left to itself, the scheduler placed a single-threaded
 reference server on the client's core and a storage node's connection thread on the other
-one (measured on the 2-core VMs here: a raw socket 19-26 µs a 4 KiB round trip, the node
+one (measured on the 2-core VMs here: a raw socket 19-31 µs a 4 KiB round trip, the node
 80-120 µs, yet 60 vs 76-87 µs when both servers are pinned to the other core and 16 vs 37
 µs when everything shares one): the comparison measured the scheduler, not the servers.
 So a latency case pins the client's thread and every thread of the server processes to
