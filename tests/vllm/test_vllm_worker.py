@@ -42,6 +42,8 @@ def test_saved_pages_load_back_into_other_blocks(tmp_path: Path, block_dim: int)
     kv = caches(block_dim)
     try:
         w.register(kv)
+        # host blocks with contiguous pages load as bytes, the [2, blocks, ...] layout by torch
+        assert (w._host_kv is not None) == (block_dim == 0)
         store = [ReqTransfer("r", (ChunkCopy((b"k" * 16,), (3, 5)),))]
         for name in sorted(kv):  # what vLLM does per layer after attention
             w.save_layer(name, kv[name], store)

@@ -8,9 +8,10 @@ serves the scheduler's lookups.
   or the pool's staging, SSD reads in parallel and checksummed; chunks still being saved
   waited for, ``pool.save_commit_wait_s``). ``wait_layer`` waits for those reads, then copies only
   its own layer's pages, right before that layer's attention: layer l never waits for the
-  copies of layer l+1. (The copies run on the engine's thread: on CPU a copy thread would
-  only contend for the same cores and the GIL; on an accelerator they are one host-to-device
-  copy per chunk and layer.) A chunk that misses or fails its checksum fails from there to
+  copies of layer l+1. (The copies run on the engine's thread: on CPU a copy thread
+  running ahead of the layers was measured and only contended for the same cores, see
+  ``pages.py``. Into host memory they are byte copies, a memcpy per run of blocks; on an
+  accelerator one host-to-device copy per chunk and layer.) A chunk that misses or fails its checksum fails from there to
   the end of its request: those blocks are reported by ``take_load_errors`` and vLLM
   recomputes them, and the request's saves in that step are dropped (they would hold KV
   computed on top of a bad prefix).
@@ -43,7 +44,15 @@ from kvpool.integrations.vllm.layout import (
     make_namespace,
 )
 from kvpool.integrations.vllm.lookup import LookupServer
-from kvpool.integrations.vllm.pages import PageMap, load_pages, page_map
+from kvpool.integrations.vllm.pages import (
+    HostPageMap,
+    PageMap,
+    host_page_map,
+    host_pages,
+    load_host_pages,
+    load_pages,
+    page_map,
+)
 from kvpool.integrations.vllm.plan import ReqTransfer
 from kvpool.integrations.vllm.saves import Saves
 from kvpool.integrations.vllm.settings import ConnectorSettings
@@ -58,11 +67,13 @@ log = logging.getLogger("kvpool.integrations.vllm")
 
 class _Fetched:
     """A step's loads once read: per chunk (its pages ``[layers, pages, *page_shape]``, where
-    they go among the engine's blocks), plus the pool's load handle to release after the
-    copies."""
+    they go among the engine's blocks) for torch copies, or the same as bytes (``[layers,
+    pages, page_bytes]`` uint8) for byte copies into host memory, plus the pool's load handle
+    to release after the copies."""
 
     def __init__(self) -> None:
         self.copies: list[tuple[torch.Tensor, PageMap]] = []
+        self.host_copies: list[tuple[np.ndarray, HostPageMap]] = []
         self.handle: LoadHandle | None = None
 
 
@@ -81,6 +92,9 @@ class WorkerSide:
         self.ns: Namespace | None = None
         self.server: LookupServer | None = None
         self._kv: dict[str, torch.Tensor] = {}
+        #: The engine's blocks as bytes when every layer's lie in host memory with contiguous
+        #: pages (``host_pages``): loads then copy bytes, else torch copies ``_kv``.
+        self._host_kv: dict[str, np.ndarray] | None = None
         self._layer_pos: dict[str, int] = {}
         self._geom: PageGeometry | None = None
         stats_path = settings.stats_path
@@ -110,6 +124,9 @@ class WorkerSide:
                             self.tp_size, self.settings.tenant_salt)
         self.pool.register_namespace(ns)
         self._kv = views
+        host = {name: host_pages(view) for name, view in views.items()}
+        self._host_kv = {n: v for n, v in host.items() if v is not None} \
+            if all(v is not None for v in host.values()) else None
         self._geom, self.ns = geom, ns
         self._layer_pos = {name: i for i, name in enumerate(geom.layer_names)}
         self._saves = Saves(self.pool, ns, self.tp_rank, self.stats, self._pages)
@@ -143,6 +160,13 @@ class WorkerSide:
         return flat.view(g.dtype).view(len(g.layer_names), self.settings.blocks_per_chunk,
                                        *g.page_shape)
 
+    def _page_bytes(self, buf: np.ndarray | memoryview) -> np.ndarray:
+        """The same chunk buffer as ``[layers, blocks_per_chunk, page_bytes]`` uint8 (read
+        only), for byte copies."""
+        assert self._geom is not None
+        return np.frombuffer(buf, dtype=np.uint8).reshape(
+            len(self._geom.layer_names), self.settings.blocks_per_chunk, self._geom.page_bytes)
+
     # ---------------------------------------------------------------- loads
     def start_load(self, loads: Sequence[ReqTransfer]) -> None:
         """Start reading this step's chunks from the pool (background job)."""
@@ -159,12 +183,13 @@ class WorkerSide:
         fetched = _Fetched()
         chunks = [c for r in loads for c in r.chunks]
         keys = [c.keys[self.tp_rank] for c in chunks]
-        sources: list[torch.Tensor | None] = [None] * len(chunks)
+        sources: list[torch.Tensor | np.ndarray | None] = [None] * len(chunks)
         try:
             fetched.handle = self.pool.open_load(self.ns, keys)
             for i, view in enumerate(fetched.handle.sources):
                 if view is not None:
-                    sources[i] = self._pages(view)
+                    sources[i] = self._pages(view) if self._host_kv is None \
+                        else self._page_bytes(view)
         except Exception:
             log.exception("kvpool load failed; the blocks will be recomputed")
             sources = [None] * len(chunks)
@@ -183,9 +208,13 @@ class WorkerSide:
                     self._load_errors.update(ids)
                     self._failed_reqs.add(req.req_id)
                     continue
-                fetched.copies.append((src, page_map(chunk.block_ids)))
+                if isinstance(src, np.ndarray):
+                    fetched.host_copies.append((src, host_page_map(chunk.block_ids)))
+                else:
+                    fetched.copies.append((src, page_map(chunk.block_ids)))
                 loaded_tokens += sum(b >= 0 for b in chunk.block_ids) * self.settings.block_size
-        self.stats.add(loaded_tokens=loaded_tokens, loaded_chunks=len(fetched.copies),
+        self.stats.add(loaded_tokens=loaded_tokens,
+                       loaded_chunks=len(fetched.copies) + len(fetched.host_copies),
                        load_failed_chunks=bad_chunks, load_failed_blocks=bad_blocks)
         return fetched
 
@@ -199,7 +228,12 @@ class WorkerSide:
             return
         self._copied[pos] = True
         assert self._geom is not None
-        kv = self._kv[self._geom.layer_names[pos]]
+        name = self._geom.layer_names[pos]
+        if self._host_kv is not None:
+            blocks = self._host_kv[name]
+            for layers, host_where in fetched.host_copies:
+                load_host_pages(blocks, layers[pos], host_where)
+        kv = self._kv[name]
         for pages, where in fetched.copies:
             load_pages(kv, pages[pos], where)
 
