@@ -101,7 +101,7 @@ def test_only_host_blocks_with_contiguous_pages_take_the_byte_path() -> None:
 @pytest.mark.parametrize("table", sorted(TABLES))
 def test_a_byte_load_puts_each_page_in_its_block_and_nothing_elsewhere(table: str) -> None:
     blocks = TABLES[table]
-    kv, view = engine_blocks(0)
+    _, view = engine_blocks(0)
     before = view.clone()
     g = torch.Generator().manual_seed(7)
     layer = torch.randn((PAGES, *view.shape[1:]), generator=g).to(view.dtype)

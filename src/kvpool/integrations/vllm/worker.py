@@ -4,17 +4,17 @@ This process owns the embedded :class:`~kvpool.pool.KVPool` (see ``lookup.py`` f
 serves the scheduler's lookups.
 
 * **Load** (``start_load``): a background job makes every chunk of the step's loads readable
-  (``KVPool.open_load``: DRAM-resident chunks pinned in place, the rest read into DRAM slots
-  or the pool's staging, SSD reads in parallel and checksummed; chunks still being saved
-  waited for, ``pool.save_commit_wait_s``). ``wait_layer`` waits for those reads, then copies only
-  its own layer's pages, right before that layer's attention: layer l never waits for the
-  copies of layer l+1. (The copies run on the engine's thread: on CPU a copy thread
-  running ahead of the layers was measured and only contended for the same cores, see
-  ``pages.py``. Into host memory they are byte copies, a memcpy per run of blocks; on an
-  accelerator one host-to-device copy per chunk and layer.) A chunk that misses or fails its checksum fails from there to
-  the end of its request: those blocks are reported by ``take_load_errors`` and vLLM
-  recomputes them, and the request's saves in that step are dropped (they would hold KV
-  computed on top of a bad prefix).
+  (``KVPool.open_load``: DRAM-resident chunks pinned in place, the rest read into DRAM slots or
+  the pool's staging, SSD reads in parallel and checksummed; chunks still being saved waited
+  for, ``pool.save_commit_wait_s``). ``wait_layer`` waits for those reads, then copies only its
+  own layer's pages, right before that layer's attention: layer l never waits for the copies of
+  layer l+1. (The copies run on the engine's thread: on CPU a copy thread running ahead of the
+  layers was measured and only contended for the same cores, see ``pages.py``. Into host memory
+  they are byte copies, a memcpy per run of blocks; on an accelerator one host-to-device copy
+  per chunk and layer.) A chunk that misses or fails its checksum fails from there to the end of
+  its request: those blocks are reported by ``take_load_errors`` and vLLM recomputes them, and
+  the request's saves in that step are dropped (they would hold KV computed on top of a bad
+  prefix).
 * **Save** (``save_layer``, ``end_step``): see ``saves.py``: pages are gathered layer by layer
   straight into DRAM slots of ``KVPool.begin_save`` and committed by the pool's save thread;
   a chunk handed over is visible to lookups at once and a load of it waits for its commit
