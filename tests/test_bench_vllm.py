@@ -142,7 +142,26 @@ def test_ratios_pool_the_hits_and_compare_the_first_requests() -> None:
     # loading adds 0.1 s to the 0.1 s floor with kvpool, 0.4 s with ExampleConnector
     assert r["load_vs_example_connector"] == pytest.approx(0.25)
     host = {name for name in bench.TARGETS if name.startswith(HOST_CASES)}
-    assert set(r) == (set(bench.TARGETS) - host) | set(bench.CONTEXT)
+    copies = set(bench.load_copy_ratios(modes, (1024, 6144), 1e-9))
+    assert set(r) | copies == (set(bench.TARGETS) - host) | set(bench.CONTEXT)
+
+
+def test_load_copy_ratios_compare_the_engine_s_load_wait_with_a_memcpy_here() -> None:
+    modes = {"kvpool": {"connector_counters": {"loaded_tokens": 100, "load_wait_us": 20},
+                        "chunk_bytes": 1000, "chunk_tokens": 10},
+             "engine_cache": _mode({25: (0.5, [0.1, 0.1])})}
+    # 100 tokens x 100 bytes at 1 ns a byte: 10 us of memcpy, 20 us waited
+    r = bench.load_copy_ratios(modes, (25,), 1e-9)
+    assert r["load_vs_memcpy"] == pytest.approx(0.5)
+    # the longest document's whole chunks: 20 tokens, 2,000 bytes, 2 us over a 0.1 s floor
+    assert r["memcpy_bound_vs_engine_cache"] == pytest.approx((0.1 + 2e-6) / 0.1)
+    for missing in ({"connector_counters": None}, {"connector_counters": {"load_wait_us": 5}}):
+        modes["kvpool"] = missing
+        assert all(np.isnan(v) for v in bench.load_copy_ratios(modes, (25,), 1e-9).values())
+
+
+def test_a_memcpy_reference_is_timed_here() -> None:
+    assert 0 < bench.memcpy_seconds(1 << 20, repeats=3) < 1.0
 
 
 #: The host cases' ratios (``host_ratios``), apart from ``ratios``'.
@@ -171,7 +190,7 @@ def test_host_ratios_compare_engine_b_with_the_recompute_of_its_own_shape() -> N
 def test_report_prints_every_ratio_with_its_target(capsys: pytest.CaptureFixture[str]) -> None:
     modes = {m: _mode({1024: (0.5, [0.1, 0.2])}) for m in bench.MODES}
     modes["engine_cache"] = _mode({1024: (0.5, [0.05, 0.05])})
-    ratios = {**bench.ratios(modes, (1024,)),
+    ratios = {**bench.ratios(modes, (1024,)), **bench.load_copy_ratios(modes, (1024,), 1e-9),
               **bench.host_ratios(_host_cases(same=True), [[7]], modes, (1024,))}
     report = {"model": "m", "engine": "e", "lengths": [1024], "repeats": 2, "modes": modes,
               "ratios": ratios, "targets": dict(bench.TARGETS)}

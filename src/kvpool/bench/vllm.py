@@ -46,6 +46,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ import yaml
 
 from kvpool.bench.stats import BenchFailure, run_in_work_dir
 from kvpool.host.launch import HostProcess
+from kvpool.keys import KVLayout
 
 ROOT = Path(__file__).resolve().parents[3]
 FULL_LENGTHS = (1024, 2048, 4096, 6144)
@@ -295,18 +297,24 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
         modes[mode] = {"ttft": rows, "engine": result["engine"], "runs": 1}
         engines.append(engine_label(result["engine"]))
         if result.get("connector_stats"):
-            modes[mode]["connector_counters"] = result["connector_stats"]["counters"]
+            stats = result["connector_stats"]
+            modes[mode]["connector_counters"] = stats["counters"]
+            if "namespace" in stats:
+                layout = KVLayout(**stats["namespace"]["layout"])
+                modes[mode]["chunk_bytes"] = layout.chunk_bytes
+                modes[mode]["chunk_tokens"] = layout.chunk_tokens
         if mode == "recompute":
             recompute_ids = [o["token_ids"] for o in result["outputs"]]
     host = _host_cases(python, base, lengths, per_doc, work, quick)
+    copy_ref = memcpy_seconds(1 << 27) / (1 << 27)  # 128 MiB: past every cache
     # smollm2_hf_dir refuses a model other than SmolLM2-135M-Instruct (ModelMismatchError)
     return {"model": "SmolLM2-135M-Instruct", "engine": " / ".join(dict.fromkeys(engines)),
             "lengths": list(lengths), "repeats": reps,
             "hit_repeats": hit_per_doc - 1, "modes": modes, "host_cases": {
                 c: {k: v for k, v in d.items() if not k.endswith("token_ids")}
                 for c, d in host.items()},
-            "ratios": {**ratios(modes, lengths), **host_ratios(host, recompute_ids, modes,
-                                                                lengths)},
+            "ratios": {**ratios(modes, lengths), **load_copy_ratios(modes, lengths, copy_ref),
+                       **host_ratios(host, recompute_ids, modes, lengths)},
             "targets": dict(TARGETS)}
 
 
@@ -336,7 +344,12 @@ TARGETS = {"ttft_hit_vs_recompute": "<= 0.1", "ttft_hit_vs_example_connector": "
 CONTEXT = {"ttft_hit_vs_engine_cache": "kvpool hit / the engine's own prefix-cache hit, "
                                        "longest document",
            "load_vs_example_connector": "what loading adds to the engine-cache floor, kvpool / "
-                                        "ExampleConnector, longest document"}
+                                        "ExampleConnector, longest document",
+           "load_vs_memcpy": "a memcpy of the bytes kvpool's engine loaded (this process) / "
+                             "the engine's time waiting for its loads; 1 = memory speed",
+           "memcpy_bound_vs_engine_cache": "(engine-cache floor + a memcpy of the longest "
+                                           "document's KV) / the floor: the least "
+                                           "ttft_hit_vs_engine_cache a copying load can reach"}
 
 
 def ratios(modes: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, float]:
@@ -376,6 +389,44 @@ def ratios(modes: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, float]:
             # nan when ExampleConnector's hits are no slower than the floor (nothing to compare)
             "load_vs_example_connector": (med["kvpool"] - floor) / (med["example"] - floor)
             if med["example"] > floor else math.nan}
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 7) -> float:
+    """Median time of one memcpy of ``nbytes`` between two touched numpy buffers here: the
+    reference for the engine's load copies (same machine, same run)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def load_copy_ratios(modes: dict[str, Any], lengths: tuple[int, ...],
+                     memcpy_s_per_byte: float) -> dict[str, float]:
+    """Where kvpool's loads stand against memory speed, from the kvpool engine's counters
+    (``connector_counters``, ``chunk_bytes``, ``chunk_tokens`` of ``modes["kvpool"]``):
+
+    * ``load_vs_memcpy``: a memcpy of every byte the engine loaded / the engine thread's time
+      waiting for its loads (reads and page copies, ``load_wait_us``);
+    * ``memcpy_bound_vs_engine_cache``: (the engine-cache median at the longest document + a
+      memcpy of that document's KV) / that median: a hit that copies the KV into the
+      engine's blocks at memory speed and costs nothing else.
+
+    Both nan when the kvpool engine reported no counters or loaded nothing."""
+    kv = modes["kvpool"]
+    counters = kv.get("connector_counters") or {}
+    per_token = kv.get("chunk_bytes", 0) / kv.get("chunk_tokens", 1)
+    wait_s = counters.get("load_wait_us", 0) / 1e6
+    loaded = counters.get("loaded_tokens", 0) * per_token
+    if not per_token or not wait_s or not loaded:
+        return {"load_vs_memcpy": math.nan, "memcpy_bound_vs_engine_cache": math.nan}
+    floor = modes["engine_cache"]["ttft"][str(lengths[-1])]["median_s"]
+    longest = lengths[-1] // kv["chunk_tokens"] * kv["chunk_tokens"] * per_token
+    return {"load_vs_memcpy": loaded * memcpy_s_per_byte / wait_s,
+            "memcpy_bound_vs_engine_cache": (floor + longest * memcpy_s_per_byte) / floor}
 
 
 def engine_label(info: dict[str, Any]) -> str:
