@@ -279,6 +279,7 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
         "example": {"name": "example", "extra": {"shared_storage_path": str(work / "example")}},
         "engine_cache": None,
     }
+    copy_ref = memcpy_seconds(1 << 27) / (1 << 27)  # 128 MiB: past every cache, no engine yet
     modes: dict[str, Any] = {}
     engines: list[str] = []
     recompute_ids: list[list[int]] = []
@@ -306,7 +307,6 @@ def run_vllm_bench(quick: bool, repeats: int | None, work: Path) -> dict[str, An
         if mode == "recompute":
             recompute_ids = [o["token_ids"] for o in result["outputs"]]
     host = _host_cases(python, base, lengths, per_doc, work, quick)
-    copy_ref = memcpy_seconds(1 << 27) / (1 << 27)  # 128 MiB: past every cache
     # smollm2_hf_dir refuses a model other than SmolLM2-135M-Instruct (ModelMismatchError)
     return {"model": "SmolLM2-135M-Instruct", "engine": " / ".join(dict.fromkeys(engines)),
             "lengths": list(lengths), "repeats": reps,
@@ -391,15 +391,18 @@ def ratios(modes: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, float]:
             if med["example"] > floor else math.nan}
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 7) -> float:
-    """Median time of one memcpy of ``nbytes`` between two touched numpy buffers here: the
-    reference for the engine's load copies (same machine, same run)."""
+def memcpy_seconds(nbytes: int, repeats: int = 9, piece: int = 1 << 20) -> float:
+    """Median time of a memcpy of ``nbytes`` between two touched numpy buffers here, in
+    ``piece``-byte copies (the loads copy a chunk's layer at a time, under glibc's
+    non-temporal threshold): the reference for the engine's load copies (same machine, same
+    run, before any engine starts)."""
     src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        np.copyto(dst, src)
+        for at in range(0, nbytes, piece):
+            np.copyto(dst[at:at + piece], src[at:at + piece])
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
