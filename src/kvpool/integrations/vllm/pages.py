@@ -15,15 +15,15 @@ Where the engine's KV lies in host memory with contiguous pages (vLLM's CPU back
 take the byte path instead (``host_pages``, ``host_page_map``, ``load_host_pages``): numpy
 copies of the pages' bytes, one ``memcpy`` per run, descending runs included (a negative
 stride), on the engine's thread with the GIL released. The same 6K hit on the 2-core AMD EPYC
-VM of 2026-12-04, inside a running engine: 8.4-8.9 ms per hit against 13.7-14.4 for the torch
-copies above (a copy of the same bytes at memory speed, one memcpy of 141 MB, 8.1-8.5 ms).
+VM of 2026-12-04, inside running engines: 8.4-10.7 ms per hit against 13.7-14.4 for the torch
+copies above (a copy of the same bytes at memory speed, one memcpy of 141 MB, 8.1-8.8 ms).
 torch's element-wise copy kernel runs on the engine's 2 OpenMP threads and is slower than one
 thread's memcpy here; a copy thread running ahead of the layers was measured too and not kept:
 its copies took twice as long beside the forward and the forward as much longer (2 cores, both
 the engine's).
 
-Failure contract: none of its own; torch raises for shapes that do not match (a caller's
-bug: the namespace pins the page geometry).
+Failure contract: none of its own; torch (RuntimeError) and numpy (ValueError) raise for
+shapes that do not match (a caller's bug: the namespace pins the page geometry).
 """
 
 from __future__ import annotations
@@ -50,24 +50,42 @@ class PageMap:
     blocks: torch.Tensor | None = None
 
 
-def page_map(block_ids: Sequence[int]) -> PageMap:
-    """The map of a chunk whose page ``j`` lives in block ``block_ids[j]`` (-1: that page is
-    left alone)."""
-    runs: list[tuple[int, int, int]] = []
+def _runs(block_ids: Sequence[int], descending: bool) -> list[tuple[int, int, int, int]]:
+    """A chunk's pages (page ``j`` in block ``block_ids[j]``, -1: left alone) as runs of
+    (first chunk page, first block, pages, step): consecutive chunk pages in consecutive
+    blocks, ascending (step 1) or, with ``descending``, also descending (step -1)."""
+    runs: list[tuple[int, int, int, int]] = []
     for j, block in enumerate(block_ids):
         if block < 0:
             continue
         if runs:
-            first, start, n = runs[-1]
-            if first + n == j and start + n == block:
-                runs[-1] = (first, start, n + 1)
-                continue
-        runs.append((j, block, 1))
-    if len(runs) <= MAX_RUNS:
-        return PageMap(tuple(runs))
+            first, start, n, step = runs[-1]
+            if first + n == j:
+                if descending and n == 1 and block == start - 1:
+                    runs[-1] = (first, start, 2, -1)
+                    continue
+                if block == start + n * step:
+                    runs[-1] = (first, start, n + 1, step)
+                    continue
+        runs.append((j, block, 1, 1))
+    return runs
+
+
+def _by_index(block_ids: Sequence[int]) -> tuple[list[int] | None, list[int]]:
+    """The chunk pages to copy (None: all, in order) and their blocks."""
     pos = [j for j, block in enumerate(block_ids) if block >= 0]
-    return PageMap(None, None if len(pos) == len(block_ids) else torch.tensor(pos),
-                   torch.tensor([block_ids[j] for j in pos], dtype=torch.long))
+    return None if len(pos) == len(block_ids) else pos, [block_ids[j] for j in pos]
+
+
+def page_map(block_ids: Sequence[int]) -> PageMap:
+    """The map of a chunk whose page ``j`` lives in block ``block_ids[j]`` (-1: that page is
+    left alone)."""
+    runs = _runs(block_ids, descending=False)
+    if len(runs) <= MAX_RUNS:
+        return PageMap(tuple((first, start, n) for first, start, n, _ in runs))
+    pages, blocks = _by_index(block_ids)
+    return PageMap(None, None if pages is None else torch.tensor(pages),
+                   torch.tensor(blocks, dtype=torch.long))
 
 
 def load_pages(kv: torch.Tensor, layer: torch.Tensor, where: PageMap) -> None:
@@ -100,25 +118,12 @@ class HostPageMap:
 def host_page_map(block_ids: Sequence[int]) -> HostPageMap:
     """The byte-copy map of a chunk whose page ``j`` lives in block ``block_ids[j]`` (-1: that
     page is left alone)."""
-    runs: list[tuple[int, int, int, int]] = []
-    for j, block in enumerate(block_ids):
-        if block < 0:
-            continue
-        if runs:
-            first, start, n, step = runs[-1]
-            if first + n == j:
-                if n == 1 and abs(block - start) == 1:
-                    runs[-1] = (first, start, 2, block - start)
-                    continue
-                if block == start + n * step:
-                    runs[-1] = (first, start, n + 1, step)
-                    continue
-        runs.append((j, block, 1, 1))
+    runs = _runs(block_ids, descending=True)
     if len(runs) <= MAX_RUNS:
         return HostPageMap(tuple(runs))
-    pos = [j for j, block in enumerate(block_ids) if block >= 0]
-    return HostPageMap(None, None if len(pos) == len(block_ids) else np.array(pos),
-                       np.array([block_ids[j] for j in pos], dtype=np.int64))
+    pages, blocks = _by_index(block_ids)
+    return HostPageMap(None, None if pages is None else np.array(pages),
+                       np.array(blocks, dtype=np.int64))
 
 
 def host_pages(kv: torch.Tensor) -> np.ndarray | None:
