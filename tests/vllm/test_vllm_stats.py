@@ -54,6 +54,23 @@ def test_a_forced_write_is_on_disk_when_it_returns_and_keeps_its_pool_stats(
     assert json.loads(path.read_text()) == final
 
 
+def test_close_ends_the_writer_thread(tmp_path: Path) -> None:
+    path = tmp_path / "stats.json"
+    stats = StatsWriter(str(path), {})
+    stats.add(lookups=1)
+    stats.write()
+    read_when(path, lambda d: d["counters"]["lookups"] == 1)
+    writer = stats._writer
+    assert writer is not None and writer.is_alive()
+    stats.write({"x": 1}, force=True)
+    stats.close()
+    assert not writer.is_alive()
+    stats.add(lookups=1)
+    stats.write()  # closed: no thread, the file keeps the forced write
+    assert json.loads(path.read_text())["counters"]["lookups"] == 1 and not writer.is_alive()
+    stats.close()  # idempotent
+
+
 def test_without_a_path_nothing_is_written_and_no_thread_starts(tmp_path: Path) -> None:
     stats = StatsWriter(None, {})
     stats.add(lookups=1)

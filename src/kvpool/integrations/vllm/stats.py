@@ -51,6 +51,7 @@ class StatsWriter:
         self._file_lock = threading.Lock()  # one writer of the file at a time
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
+        self._closed = False
         self._pool_stats: dict[str, Any] | None = None  # the last forced write's, kept
 
     def add(self, **deltas: int) -> None:
@@ -85,7 +86,7 @@ class StatsWriter:
         if force:
             self._write_now(pool_stats)
             return
-        if not self._dirty:
+        if not self._dirty or self._closed:
             return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
@@ -93,10 +94,20 @@ class StatsWriter:
             self._writer.start()
         self._wake.set()
 
+    def close(self) -> None:
+        """End the writer thread (after the last forced write); later writes that are not
+        forced do nothing. Idempotent."""
+        self._closed = True
+        self._wake.set()
+        if self._writer is not None:
+            self._writer.join()
+
     def _write_loop(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
+            if self._closed:
+                return
             if self._dirty:  # not written since by a forced write
                 self._write_now(None)
 

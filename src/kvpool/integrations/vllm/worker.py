@@ -314,5 +314,6 @@ class WorkerSide:
         try:
             self.stats.write(self.pool.stats(), force=True)
         finally:
+            self.stats.close()
             self.pool.close()
 
