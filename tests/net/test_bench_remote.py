@@ -55,9 +55,17 @@ def test_tiny_remote_bench_reports_every_ratio() -> None:
                     assert f"{op}/{size}/{t}t/{ref}" in ids
     assert len(rows) == len(ids)
     assert data["info"]["redis"]
+    names = [p[0] for p in placements()]
     for case in data["cases"]:  # a 4-thread pass moves thread_pass_bytes a thread
         threads, size = case["threads"], case["chunk_bytes"]
         assert case["kvpool"]["items_per_pass"] == TINY.ops(size, threads), case["id"]
+        # one thread: the headline placement's rows, a GET's other placements beside them
+        assert case["placement"] == (names[0] if threads == 1 else "unpinned"), case["id"]
+        if threads == 1 and case["case"] == "get" and len(names) > 1:
+            assert list(case["placements"]) == names[1:], case["id"]
+            assert all(_positive(r) for r in case["placements"].values()), case["id"]
+        else:
+            assert "placements" not in case, case["id"]
 
 
 def test_a_pass_of_several_threads_moves_thread_pass_bytes_a_thread() -> None:

@@ -18,6 +18,14 @@ with 1 and 4 threads (a connection per thread for every system); each op moves o
   (``kvpool.bench.cores``: unpinned, the scheduler kept the raw server on the client's core
   and the node off it, and measured that).
 
+One-thread cases run with their threads pinned the same way: the client on one core and
+every server's threads on another (the rows, and so ``remote_get_vs_raw_socket`` and
+``remote_get_256k_vs_raw_socket``), then, for GETs, all on one core (``same_core`` in the
+row: context, no ratio is taken from it). Left unpinned, the scheduler chose per process and
+per run: the raw server's 256 KiB GET took 60 µs in one run (kept on the client's core) and
+84-94 in the next, the node's 105-150, so the ratio moved 0.54-0.79 with no change of code.
+Several threads are not pinned (they load both cores whatever the placement).
+
 Passes alternate kvpool / raw / Redis so machine noise hits all three; each GET pass checks the
 last chunk every thread read against the bytes written.
 
@@ -47,7 +55,7 @@ import yaml
 from rich.console import Console
 
 from kvpool.bench.certs import make_certs, openssl_available
-from kvpool.bench.cores import pinned, placements
+from kvpool.bench.cores import Placement, pinned, placements
 from kvpool.bench.remote_peers import Process, RawClient, start_raw_server, start_redis
 from kvpool.bench.stats import (
     BenchFailure,
@@ -109,6 +117,8 @@ class _Systems:
     kv: ClusterClient
     raw: list[RawClient]
     redis: Any | None
+    #: The server processes' pids (node, raw socket, Redis): pinned with one-thread cases.
+    servers: list[int]
 
 
 def _start_node(scratch: Path, plan: RemotePlan, tls: dict[str, str] | None = None,
@@ -176,20 +186,25 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
         out_views[t][:] = value
         return True
 
+    get_ops = {"kvpool": kv_get, "raw": raw_get, "redis": redis_get}
     for threads in plan.threads:
-        timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
-        ops = {"kvpool": kv_get, "raw": raw_get, "redis": redis_get}
         pass_items = list(range(plan.ops(size, threads)))
-        for _ in range(plan.repeats):
-            for name, op in ops.items():
-                if name == "redis" and sys_.redis is None:
-                    continue
-                timings[name].add(run_pass(op, pass_items, threads))
-                if name != "raw":
-                    for t, part in enumerate(split(pass_items, threads)):
-                        if part:
-                            _verify(f"{name} get", outs[t], data[part[-1] % n % distinct])
-        _add_rows(rows, "get", size, threads, timings, log)
+        by_placement: dict[str, dict[str, Timing]] = {}
+        for placement in _placements_for(threads):
+            timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
+            with pinned(placement, sys_.servers):
+                for _ in range(plan.repeats):
+                    for name, op in get_ops.items():
+                        if name == "redis" and sys_.redis is None:
+                            continue
+                        timings[name].add(run_pass(op, pass_items, threads))
+                        if name != "raw":
+                            for t, part in enumerate(split(pass_items, threads)):
+                                if part:
+                                    _verify(f"{name} get", outs[t],
+                                            data[part[-1] % n % distinct])
+            by_placement[placement[0]] = timings
+        _add_rows(rows, "get", size, threads, by_placement, log)
 
     put_pass = [0]
 
@@ -206,36 +221,59 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
     def redis_put(t: int, i: int) -> bool:
         return bool(redis.set(b"p" + fresh(put_pass[0], i), views[i % distinct]))
 
+    put_ops = {"kvpool": kv_put, "raw": raw_put, "redis": redis_put}
     for threads in plan.threads:
         timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
-        ops = {"kvpool": kv_put, "raw": raw_put, "redis": redis_put}
         pass_items = list(range(plan.ops(size, threads)))
-        for _ in range(plan.repeats):
-            put_pass[0] += 1
-            for name, op in ops.items():
-                if name == "redis":
-                    if sys_.redis is None:
-                        continue
-                    sys_.redis.flushall()  # untimed: Redis holds only this pass's chunks
-                timings[name].add(run_pass(op, pass_items, threads))
-        _add_rows(rows, "put", size, threads, timings, log)
+        placement = _placements_for(threads)[0]  # PUTs: the headline placement only
+        with pinned(placement, sys_.servers):
+            for _ in range(plan.repeats):
+                put_pass[0] += 1
+                for name, op in put_ops.items():
+                    if name == "redis":
+                        if sys_.redis is None:
+                            continue
+                        sys_.redis.flushall()  # untimed: Redis holds only this pass's chunks
+                    timings[name].add(run_pass(op, pass_items, threads))
+        _add_rows(rows, "put", size, threads, {placement[0]: timings}, log)
     if sys_.redis is not None:
         sys_.redis.flushall()
     sys_.kv.invalidate(ns)  # the next size starts with the node's memory free
 
 
+UNPINNED: Placement = ("unpinned", None, None)
+
+
+def _placements_for(threads: int) -> list[Placement]:
+    """Where a case's threads run, the headline first: one thread pinned as
+    ``kvpool.bench.cores`` places it (the servers on a core of their own, then all on one);
+    several threads unpinned."""
+    return placements() if threads == 1 else [UNPINNED]
+
+
 def _add_rows(rows: list[Comparison], case: str, size: int, threads: int,
-              timings: dict[str, Timing], log: Callable[[str], None]) -> None:
+              by_placement: dict[str, dict[str, Timing]], log: Callable[[str], None]) -> None:
+    """Rows of one case from its first (headline) placement's timings; the other placements'
+    ratios to the raw socket ride along in the row (``placements``) and the log."""
+    headline, timings = next(iter(by_placement.items()))
+    others = {where: Comparison("remote", case, size, threads, t["kvpool"], t["raw"],
+                                "raw socket").ratio
+              for where, t in list(by_placement.items())[1:]}
+    extra: dict[str, Any] = {"placement": headline}
+    if others:
+        extra["placements"] = others
     raw = Comparison("remote", case, size, threads, timings["kvpool"], timings["raw"],
-                     "raw socket")
+                     "raw socket", extra=extra)
     rows.append(raw)
     line = (f"  {case} {human_bytes(size)} {threads}t: kvpool {raw.kvpool.gb_per_s:.2f} GB/s, "
             f"raw {raw.reference.gb_per_s:.2f} GB/s ({raw.ratio:.2f}x)")
     if timings["redis"].passes:
         red = Comparison("remote", case, size, threads, timings["kvpool"], timings["redis"],
-                         "redis")
+                         "redis", extra=extra)
         rows.append(red)
         line += f", redis {red.reference.gb_per_s:.2f} GB/s ({red.ratio:.2f}x)"
+    if threads == 1:
+        line += f" ({headline}" + "".join(f"; {w} {r:.2f}x" for w, r in others.items()) + ")"
     log(line)
 
 
@@ -396,8 +434,11 @@ def run_remote_bench(plan: RemotePlan,
         kv = ClusterClient(ClusterConfig(nodes=[f"127.0.0.1:{node.port}"],
                                          connections_per_node=max(plan.threads),
                                          request_timeout_s=60))
+        servers = [node.proc.pid, raw.proc.pid]
+        if redis_started is not None:
+            servers.append(redis_started[0].proc.pid)
         systems = _Systems(kv, [RawClient(raw.port) for _ in range(max(plan.threads))],
-                           redis_client)
+                           redis_client, servers)
         for size in plan.sizes:
             log(f"{human_bytes(size)} chunks: {plan.chunks(size)} per pass")
             _bench_size(systems, plan, size, rows, log)
@@ -442,7 +483,9 @@ def run_remote_bench(plan: RemotePlan,
         "ratios": ratios,
         "ratio_basis": f"kvpool / reference throughput at {human_bytes(h)} chunks, 1 thread "
                        "(suffix _4t: 4 threads), one chunk per op; tls_vs_plain: GETs "
-                       "through a TLS node / the plain node, median passes",
+                       "through a TLS node / the plain node, median passes; one thread "
+                       "with the client and the servers on cores of their own (cases' "
+                       "placement), several unpinned",
         "exists_prefix_512_p99_ms": exists["kvpool"]["p99_ms"],
         "exists_prefix": exists,
         "remote_get_4k_p50_us": small_get["kvpool"]["p50_us"],
