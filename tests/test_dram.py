@@ -140,12 +140,14 @@ def test_a_batch_pin_holds_its_slots_until_released_and_counts_like_views() -> N
     batch = tier.pin_batch([k(0), k(9), k(3), k(2)], ns.id)  # absent; another namespace's
     assert batch.pinned == 2 and [v is None for v in batch.views] == [False, True, True, False]
     assert [o is None for o in batch.offsets] == [False, True, True, False]
-    assert tier.stats()["hits"] == 2 and tier.stats()["misses"] == 0  # misses not counted
+    # Reads are counted when the batch is released (a node's GET sends first).
+    assert tier.stats()["hits"] == 0 and tier.stats()["misses"] == 0  # misses never counted
     # Offsets only (a host pool's attached read): the same slots, pinned and counted alike.
     offsets_only = tier.pin_batch([k(2), k(9)], ns.id, views=False)
     assert offsets_only.views == [] and offsets_only.offsets == [batch.offsets[3], None]
-    assert offsets_only.pinned == 1 and tier.stats()["hits"] == 3
+    assert offsets_only.pinned == 1 and tier.stats()["hits"] == 0
     offsets_only.release()
+    assert tier.stats()["hits"] == 1
     for i in range(4, 8):  # evicts everything but the two pinned slots
         tier.put(k(i), ns, payload_for(k(i)))
     assert tier.contains(k(0)) and tier.contains(k(2))
@@ -156,14 +158,32 @@ def test_a_batch_pin_holds_its_slots_until_released_and_counts_like_views() -> N
     assert np.array_equal(np.frombuffer(view0, np.uint8), payload_for(k(0)))
     assert np.array_equal(np.frombuffer(view2, np.uint8), payload_for(k(2)))
     batch.release()
-    batch.release()  # idempotent: the pins are given back once
+    batch.release()  # idempotent: the pins are given back (and the reads counted) once
+    assert tier.stats()["hits"] == 3
     with pytest.raises(ValueError):
         bytes(view0)  # released views are unusable
-    assert tier.put(k(10), ns, payload_for(k(10))) and tier.put(k(11), ns, payload_for(k(11)))
-    assert not tier.contains(k(2))  # unpinned: evictable again
+    # unpinned: evictable again (the release made it the most recently used: four puts)
+    assert all(tier.put(k(i), ns, payload_for(k(i))) for i in range(10, 14))
+    assert not tier.contains(k(2))
     tier.close()
     with pytest.raises(PoolClosedError):
         tier.pin_batch([k(10)], ns.id)
+
+
+def test_a_batch_read_is_touched_in_the_policy_when_released_unless_deleted_meanwhile() -> None:
+    ns = byte_namespace()
+    tier = DramTier(SLAB, SLAB, "lru", put_wait_s=0.05)
+    for i in range(4):  # the slab's four slots, k(0) the least recently used
+        tier.put(k(i), ns, payload_for(k(i)))
+    batch = tier.pin_batch([k(0), k(1)], ns.id)
+    assert tier.delete(k(1))  # doomed while pinned
+    batch.release()  # k(0) is now the most recently used; k(1) is gone, not touched back
+    assert not tier.contains(k(1))
+    tier.put(k(4), ns, payload_for(k(4)))  # takes k(1)'s freed slot: no eviction
+    tier.put(k(5), ns, payload_for(k(5)))  # evicts the least recently used: k(2), not k(0)
+    assert tier.contains(k(0)) and not tier.contains(k(2)) and tier.contains(k(3))
+    assert tier.stats()["hits"] == 2
+    tier.close()
 
 
 def test_a_batch_release_wakes_a_put_waiting_for_a_pinned_slot() -> None:

@@ -730,25 +730,32 @@ class KVPool:
         GET: ``ns`` is held registered by the node's registry, ``keys`` are its own 16-byte
         digests): the resident chunks pinned under one DRAM lock acquisition, as one
         PinnedBatch rather than a PinnedView per key, with the same counts, SSD read notes
-        and latency as ``pin_many``; without ``views``, their offsets only (a host pool).
-        None without DRAM. Raises PoolClosedError after close."""
+        and latency as ``pin_many``, made when the batch is released (after a node sent the
+        bytes: they are not on the answer's path); without ``views``, their offsets only (a
+        host pool). None without DRAM. Raises PoolClosedError after close."""
         front = self._front
         if front is None:
             return None
         self._saves.wait_committed(ns.id, keys)
         started = perf_counter()
         batch = front.pin_batch(keys, ns.id, views)
-        pinned = batch.pinned
+        took = perf_counter() - started
+        batch.after_release = lambda: self._count_pins(ns, keys, batch.offsets, took)
+        return batch
+
+    def _count_pins(self, ns: Namespace, keys: list[bytes], offsets: list[int | None],
+                    took: float) -> None:
+        """A released ``pin_resident`` batch's bookkeeping, after its bytes were sent: DRAM
+        hits, the SSD's read notes, the get latency (``took``: the pins' own time)."""
+        pinned = len(offsets) - offsets.count(None)
         if pinned and self._note_reads is not None:
             self._note_reads(keys if pinned == len(keys) else
-                             [k for k, off in zip(keys, batch.offsets, strict=True)
+                             [k for k, off in zip(keys, offsets, strict=True)
                               if off is not None])
         self._counters.add_many({"dram_hits": pinned, "dram_hit_bytes": pinned * ns.chunk_bytes,
                                  "dram_hit_tokens": pinned * ns.layout.chunk_tokens})
         if self._latency is not None:
-            took = perf_counter() - started
             self._latency.record("get", took, (took,))
-        return batch
 
     def share_directory(self, directory: ReadDirectory) -> bool:
         """Publish where DRAM's chunks lie in ``directory`` from now on (a host pool's

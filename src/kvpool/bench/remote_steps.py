@@ -101,19 +101,20 @@ def node_steps(calls: int, size: int = SIZE) -> tuple[dict[str, float], float, f
             client.send(frames[i % 64])
             t0 = now()
             req = unpack_header(conn.take(HEADER_BYTES))
-            traffic.begin()
+            traffic.busy.add(conn)
             conn.handle(req)
-            traffic.end()
+            traffic.busy.discard(conn)
             took = now() - t0
             _drain(client, inbox)
             return took
 
         steps: dict[str, list[int]] = {name: [] for name in (
-            "receive and parse the header", "traffic begin / end", "check, metadata, op count",
+            "receive and parse the header", "in flight (busy set)", "check, metadata, op count",
             "split keys", "namespace and key scoping (xxhash)",
-            "pin (pool.pin_resident: DRAM lock, policy touch, counters, latency)",
-            "answer: counters, flags", "frame", "sendmsg", "release the pins",
-            "request latency record")}
+            "pin (pool.pin_resident: DRAM lock, pins)", "answer: flags, deferred counts",
+            "frame", "sendmsg",
+            "after the send: unpin, hits and policy touch, pool and node counters",
+            "after the send: request latency record")}
         stamps = [0] * 12
 
         def stepped(i: int) -> None:
@@ -121,8 +122,8 @@ def node_steps(calls: int, size: int = SIZE) -> tuple[dict[str, float], float, f
             stamps[0] = now()
             req = unpack_header(conn.take(HEADER_BYTES))
             stamps[1] = now()
-            traffic.begin()
-            traffic.end()
+            traffic.busy.add(conn)
+            traffic.busy.discard(conn)
             stamps[2] = now()
             conn.check(req)
             meta = conn.take(req.meta_len).tobytes()
@@ -136,7 +137,13 @@ def node_steps(calls: int, size: int = SIZE) -> tuple[dict[str, float], float, f
             pins = pool.pin_resident(nsx, scoped)
             stamps[6] = now()
             assert pins is not None
-            store.counters.add_many({"get_hits": 1, "get_misses": 0})
+            counted = pins.after_release
+
+            def count() -> None:
+                assert counted is not None
+                counted()
+                store._count_get(nsx, 1, 0)
+            pins.after_release = count
             answer = GetAnswer(b"\x01", pins.views, pins)  # type: ignore[arg-type]
             stamps[7] = now()
             head = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, req.op | RESPONSE_BIT, req.req_id,

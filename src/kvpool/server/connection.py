@@ -150,13 +150,14 @@ class Connection:
                 return
             self.sock.setblocking(True)
             traffic = self.traffic
+            busy = traffic.busy
             while True:
                 req = unpack_header(self.take(HEADER_BYTES))
-                traffic.begin()
+                busy.add(self)
                 try:
                     keep = self.handle(req)
                 finally:
-                    traffic.end()
+                    busy.discard(self)
                 if not keep or traffic.draining:
                     return
         except Exception as exc:  # never let one connection take the node down
@@ -266,7 +267,7 @@ class Connection:
         else:
             meta = memoryview(bytearray(req.meta_len))
             self.recv(meta)
-        self.count(_COUNTERS[op])
+        self.count(_COUNTERS[op])  # on arrival: an answer the peer never reads still counts
         try:
             if self.refusal is not None:
                 raise Refused(Status.BUSY, self.refusal, close=True)

@@ -416,7 +416,9 @@ class NodeStore:
         server.max_inflight_bytes, Refused(BUSY) past the node's held-bytes limits.
 
         The common case, every key in DRAM, is one call of the pool (``pin_resident``: one
-        DRAM lock acquisition, no per-key objects) and one counter update."""
+        DRAM lock acquisition, no per-key objects); its counts (hits, policy recency, the
+        pool's and the node's counters, latency) are made by ``GetAnswer.release``, after
+        the transport sent the bytes, so they are not on the answer's path."""
         ns = self._namespace_of(session, ns_id)
         scoped = scoped_chunk_keys(ns_id, keys)
         if touch:
@@ -428,10 +430,19 @@ class NodeStore:
         pins = self.pool.pin_resident(ns, scoped)
         if pins is not None and pins.pinned == len(scoped):  # all from DRAM
             n = len(scoped)
-            self.counters.add_many({"get_hits": n, "get_misses": 0})
-            self._count_tenant(ns, get_hits=n, get_misses=0, get_bytes=n * ns.chunk_bytes)
+            counted = pins.after_release  # the pool's counts, then the node's: after the send
+
+            def count() -> None:
+                if counted is not None:
+                    counted()
+                self._count_get(ns, n, 0)
+            pins.after_release = count
             return GetAnswer(b"\x01" * n, pins.views, pins)  # type: ignore[arg-type]
         return self._answer_get(ns, scoped, pins)
+
+    def _count_get(self, ns: Namespace, hits: int, misses: int) -> None:
+        self.counters.add_many({"get_hits": hits, "get_misses": misses})
+        self._count_tenant(ns, get_hits=hits, get_misses=misses, get_bytes=hits * ns.chunk_bytes)
 
     def _answer_get(self, ns: Namespace, scoped: list[bytes],
                     pins: PinnedBatch | None) -> GetAnswer:
@@ -471,8 +482,7 @@ class NodeStore:
             raise
         views = [p for p in payload if p is not None]
         hits, misses = len(views), len(scoped) - len(views)
-        self.counters.add_many({"get_hits": hits, "get_misses": misses})
-        self._count_tenant(ns, get_hits=hits, get_misses=misses, get_bytes=hits * ns.chunk_bytes)
+        self._count_get(ns, hits, misses)
         flags = b"\x01" * hits if not misses else bytes(p is not None for p in payload)
         nbytes = held
         return GetAnswer(flags, views, pins,

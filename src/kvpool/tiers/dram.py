@@ -374,22 +374,24 @@ class DramTier:
     def pin_batch(self, keys: Sequence[bytes], namespace_id: bytes,
                   views: bool = True) -> PinnedBatch:
         """``view`` for a batch under one lock acquisition and without a PinnedView per key
-        (a storage node's GET): each resident chunk stored under ``namespace_id`` is pinned,
-        counted as a hit and touched in its policy, as ``view`` does; the others are None
-        and, as with ``count_miss=False``, not counted. Without ``views`` only the slots'
-        offsets are kept (a host pool's engines read them through their own mapping).
-        Release the batch once its views are sent. Raises PoolClosedError after close."""
+        (a storage node's GET): each resident chunk stored under ``namespace_id`` is pinned;
+        the others are None and, as with ``count_miss=False``, not counted. Without ``views``
+        only the slots' offsets are kept (a host pool's engines read them through their own
+        mapping). The pinned chunks are counted as hits and touched in their policy when the
+        batch is released (``unpin_batch``, under the lock it takes anyway), after their
+        bytes were sent: a node's GET answers before its bookkeeping. Release the batch once
+        its views are sent. Raises PoolClosedError after close."""
         offsets: list[int | None] = []
         pinned: list[_Entry] = []
+        pinned_keys: list[bytes] = []
         retention = self._retention
         with self._lock:
             self._check_open()
             get = self._entries.get
             # The TTL check only where some chunk has retention (hoisted: a batch is read
-            # at one moment), the policy looked up once per slot size.
+            # at one moment).
             expired = retention.expired if retention is not None and (
                 retention.any_expired or retention.entries) else None
-            size, policy = -1, None
             for key in keys:
                 entry = get(key)
                 if entry is None or entry.ns.id != namespace_id or (
@@ -397,32 +399,40 @@ class DramTier:
                     offsets.append(None)  # absent, another namespace's, or its TTL passed
                     continue
                 entry.pins += 1
-                entry.hits += 1
-                if entry.slot_size != size:
-                    size, policy = entry.slot_size, self._policy(entry.slot_size)
-                policy.touch(key)  # type: ignore[union-attr]
                 pinned.append(entry)
+                pinned_keys.append(key)
                 offsets.append(entry.offset)
-            self._counters["hits"] += len(pinned)
             if not views:
-                return PinnedBatch(self, pinned, offsets, [])
+                return PinnedBatch(self, pinned, pinned_keys, offsets, [])
             arena, entries = self._arena, iter(pinned)
-            return PinnedBatch(self, pinned, offsets, [
+            return PinnedBatch(self, pinned, pinned_keys, offsets, [
                 None if off is None else arena.view(off, next(entries).nbytes).toreadonly()
                 for off in offsets])
 
-    def unpin_batch(self, entries: Sequence[_Entry]) -> None:
-        """Give back the pins of ``pin_batch`` (PinnedBatch.release), under one lock."""
+    def unpin_batch(self, entries: Sequence[_Entry], keys: Sequence[bytes]) -> None:
+        """Give back the pins of ``pin_batch`` (PinnedBatch.release; ``keys[i]`` is
+        ``entries[i]``'s), under one lock: each read is counted as a hit and touched in its
+        slot size's policy (unless the chunk was deleted meanwhile), as ``view`` counts at
+        once."""
         with self._lock:
             wake = False
-            for entry in entries:
+            size, policy = -1, None
+            for entry, key in zip(entries, keys, strict=True):
                 entry.pins -= 1
-                if entry.pins == 0 and entry.doomed:
-                    del self._doomed[entry.offset]
-                    if not self._closed:
-                        self._release_slot(entry)
-                elif entry.pins == 0:
+                entry.hits += 1
+                if entry.doomed:
+                    if entry.pins == 0:
+                        del self._doomed[entry.offset]
+                        if not self._closed:
+                            self._release_slot(entry)
+                    continue
+                if not self._closed:
+                    if entry.slot_size != size:  # the policy looked up once per slot size
+                        size, policy = entry.slot_size, self._policy(entry.slot_size)
+                    policy.touch(key)  # type: ignore[union-attr]
+                if entry.pins == 0:
                     wake = True
+            self._counters["hits"] += len(entries)
             if wake and self._waiters:
                 self._cond.notify_all()
 
@@ -578,7 +588,7 @@ class DramTier:
     def note_reads(self, keys: Sequence[bytes], namespace_id: bytes) -> int:
         """Count reads made without this tier (an attached engine's reads through the
         directory): each resident chunk of ``namespace_id`` is counted as a hit and
-        touched in its policy, as ``pin_batch`` would have, ``_NOTE_BATCH`` keys per lock
+        touched in its policy, as a released ``pin_batch`` is, ``_NOTE_BATCH`` keys per lock
         acquisition (a long list never holds the lock long). Returns how many were; others
         (evicted since) are ignored, a closed tier counts none."""
         counted = 0

@@ -3,6 +3,7 @@ chunk being filled in place. Both keep their slot out of eviction until released
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,14 +63,19 @@ class PinnedBatch:
     it (``views`` is empty when the batch was pinned for its offsets only), None where the
     key was not resident. One object per batch, not per key (a storage node's GET, a host
     pool's attached reads). The slots cannot be evicted or reused until ``release()``
-    (idempotent; also run when collected); using a view or an offset after that is a bug."""
+    (idempotent; also run when collected), which also counts the reads (hits, policy
+    recency) and then runs ``after_release`` (the pool's counts), if set; using a view or
+    an offset after that is a bug."""
 
-    __slots__ = ("_entries", "_tier", "offsets", "views")
+    __slots__ = ("_entries", "_keys", "_tier", "after_release", "offsets", "views")
 
-    def __init__(self, tier: DramTier, entries: list[_Entry], offsets: list[int | None],
-                 views: list[memoryview | None]) -> None:
-        self._tier, self._entries = tier, entries
+    def __init__(self, tier: DramTier, entries: list[_Entry], keys: list[bytes],
+                 offsets: list[int | None], views: list[memoryview | None]) -> None:
+        self._tier, self._entries, self._keys = tier, entries, keys
         self.offsets, self.views = offsets, views
+        #: Run once by ``release`` after the pins are given back (never raises there: a
+        #: count); None: nothing.
+        self.after_release: Callable[[], None] | None = None
 
     @property
     def pinned(self) -> int:
@@ -82,7 +88,10 @@ class PinnedBatch:
             for view in self.views:
                 if view is not None:
                     view.release()
-            self._tier.unpin_batch(entries)
+            self._tier.unpin_batch(entries, self._keys)
+        after, self.after_release = self.after_release, None
+        if after is not None:
+            after()
 
     def __del__(self) -> None:
         self.release()
