@@ -26,8 +26,9 @@ per run: the raw server's 256 KiB GET took 60 µs in one run (kept on the client
 84-94 in the next, the node's 105-150, so the ratio moved 0.54-0.79 with no change of code.
 Several threads are not pinned (they load both cores whatever the placement).
 
-Passes alternate kvpool / raw / Redis so machine noise hits all three; each GET pass checks the
-last chunk every thread read against the bytes written.
+Passes alternate kvpool / raw / Redis, the order rotated each repeat, so machine noise (and
+what one system's pass leaves behind) hits all three; each GET pass checks the last chunk
+every thread read against the bytes written.
 
 TLS: a second node with ``server.tls`` (throwaway certificates from ``openssl``) serves the same
 GET case (headline size, 1 thread) to a client with ``cluster.tls``; passes alternate TLS and
@@ -45,7 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -193,8 +194,8 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
         for placement in _placements_for(threads):
             timings = {"kvpool": Timing(size), "raw": Timing(size), "redis": Timing(size)}
             with pinned(placement, sys_.servers):
-                for _ in range(plan.repeats):
-                    for name, op in get_ops.items():
+                for repeat in range(plan.repeats):
+                    for name, op in _rotated(get_ops, repeat):
                         if name == "redis" and sys_.redis is None:
                             continue
                         timings[name].add(run_pass(op, pass_items, threads))
@@ -227,9 +228,9 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
         pass_items = list(range(plan.ops(size, threads)))
         placement = _placements_for(threads)[0]  # PUTs: the headline placement only
         with pinned(placement, sys_.servers):
-            for _ in range(plan.repeats):
+            for repeat in range(plan.repeats):
                 put_pass[0] += 1
-                for name, op in put_ops.items():
+                for name, op in _rotated(put_ops, repeat):
                     if name == "redis":
                         if sys_.redis is None:
                             continue
@@ -242,6 +243,16 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
 
 
 UNPINNED: Placement = ("unpinned", None, None)
+_Op = Callable[[int, int], bool]
+
+
+def _rotated(ops: Mapping[str, _Op], repeat: int) -> list[tuple[str, _Op]]:
+    """The systems' passes in the order of repeat ``repeat``: rotated by one each repeat, so
+    each system follows each other equally often (what one leaves behind, a Redis pass's
+    freed memory or a node's cold caches, falls on every system alike)."""
+    items = list(ops.items())
+    k = repeat % len(items)
+    return items[k:] + items[:k]
 
 
 def _placements_for(threads: int) -> list[Placement]:
