@@ -740,7 +740,8 @@ class KVPool:
         started = perf_counter()
         batch = front.pin_batch(keys, ns.id, views)
         took = perf_counter() - started
-        batch.after_release = lambda: self._count_pins(ns, keys, batch.offsets, took)
+        offsets = batch.offsets  # not the batch: a cycle would keep a dropped one pinned
+        batch.after_release = lambda: self._count_pins(ns, keys, offsets, took)
         return batch
 
     def _count_pins(self, ns: Namespace, keys: list[bytes], offsets: list[int | None],

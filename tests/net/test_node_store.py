@@ -112,6 +112,40 @@ def test_put_get_exists_touch_delete_invalidate_results(open_store: Store) -> No
     store.close_session(session)
 
 
+def test_a_dram_get_is_counted_when_its_answer_is_released(open_store: Store) -> None:
+    """A GET every key of which DRAM holds answers first and counts after (the transport
+    releases the answer once the bytes are sent): hits, the pool's DRAM hits and the get
+    latency appear at the release, once; a dropped, unreleased answer gives its pins back
+    and counts when collected by reference count (no cycle keeps it alive)."""
+    s, store = open_store, open_store.store
+    session = store.open_session()
+    ns = byte_namespace()
+    s.declare(session, ns)
+    keys = keys_of(3)
+    s.put(session, ns, keys)
+
+    def counts() -> tuple[int, int, int]:
+        stats = store.stats(session, {})
+        return (stats["server"].get("get_hits", 0), stats["pool"]["dram_hits"],
+                stats["dram"]["hits"])
+
+    before = counts()
+    answer = store.get(session, ns.id, keys)
+    assert answer.flags == b"\x01" * 3 and [bytes(v) for v in answer.views] == \
+        [payload_for(k).tobytes() for k in keys]
+    assert counts() == before  # nothing counted on the answer's path
+    answer.release()
+    assert counts() == (before[0] + 3, before[1] + 3, before[2] + 3)
+    answer.release()  # idempotent: counted once
+    assert counts() == (before[0] + 3, before[1] + 3, before[2] + 3)
+    dropped = store.get(session, ns.id, keys[:1])
+    del dropped  # never released: the pins go back (and count) when it is collected
+    assert counts() == (before[0] + 4, before[1] + 4, before[2] + 4)
+    assert store.delete(session, ns.id, keys) == 3
+    assert store.stats(session, {})["dram"]["used_bytes"] == 0  # no pin held a slot back
+    store.close_session(session)
+
+
 def test_chunks_beyond_dram_are_served_from_the_ssd(open_store: Store) -> None:
     s, store = open_store, open_store.store
     session = store.open_session()
