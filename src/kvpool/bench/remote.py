@@ -454,7 +454,7 @@ def run_remote_bench(plan: RemotePlan,
             log(f"{human_bytes(size)} chunks: {plan.chunks(size)} per pass")
             _bench_size(systems, plan, size, rows, log)
         exists = _bench_exists(systems, plan)
-        small_get = _bench_small_get(systems, plan, [node.proc.pid, raw.proc.pid])
+        small_get = _bench_small_get(systems, plan, systems.servers)
         for where, fig in small_get["placements"].items():
             log(f"  get 4 KiB 1t ({where}): kvpool p50 {fig['kvpool']['p50_us']:.0f} µs, raw "
                 f"{fig['raw']['p50_us']:.0f} µs")

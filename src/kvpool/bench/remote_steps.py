@@ -137,14 +137,8 @@ def node_steps(calls: int, size: int = SIZE) -> tuple[dict[str, float], float, f
             pins = pool.pin_resident(nsx, scoped)
             stamps[6] = now()
             assert pins is not None
-            counted = pins.after_release
-
-            def count() -> None:
-                assert counted is not None
-                counted()
-                store._count_get(nsx, 1, 0)
-            pins.after_release = count
-            answer = GetAnswer(b"\x01", pins.views, pins)  # type: ignore[arg-type]
+            answer = GetAnswer(b"\x01", pins.views, pins,  # type: ignore[arg-type]
+                               lambda: store._count_get(nsx, 1, 0))
             stamps[7] = now()
             head = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, req.op | RESPONSE_BIT, req.req_id,
                                len(answer.views), 1, sum(map(len, answer.views)))

@@ -126,22 +126,26 @@ class PutBatch:
 class GetAnswer:
     """One GET's answer: a found-flag per key and the payload of each found chunk in key
     order (views of pinned DRAM slots or of per-request buffers). Valid until ``release()``,
-    which the transport calls in a ``finally`` once the views are sent; until then the pinned
-    slots cannot be evicted."""
+    which the transport calls in a ``finally`` once the views are sent (idempotent; also run
+    when collected); until then the pinned slots cannot be evicted."""
 
     flags: bytes
     views: list[memoryview]
     _pins: PinnedBatch | None = field(repr=False)
-    #: Gives back the bytes its per-request buffers hold in the node's ledger (held.py).
-    _give_back: Callable[[], None] | None = field(default=None, repr=False)
+    #: Run once by ``release`` after the pins: gives back the bytes the per-request buffers
+    #: hold in the node's ledger (held.py), or counts an all-DRAM answer after its send.
+    _after: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         pins, self._pins = self._pins, None
         if pins is not None:
             pins.release()
-        give_back, self._give_back = self._give_back, None
-        if give_back is not None:
-            give_back()
+        after, self._after = self._after, None
+        if after is not None:
+            after()
+
+    def __del__(self) -> None:  # a dropped answer gives back its pins, bytes and counts
+        self.release()
 
 
 def _unknown(ns_id: bytes) -> Refused:
@@ -430,14 +434,8 @@ class NodeStore:
         pins = self.pool.pin_resident(ns, scoped)
         if pins is not None and pins.pinned == len(scoped):  # all from DRAM
             n = len(scoped)
-            counted = pins.after_release  # the pool's counts, then the node's: after the send
-
-            def count() -> None:
-                if counted is not None:
-                    counted()
-                self._count_get(ns, n, 0)
-            pins.after_release = count
-            return GetAnswer(b"\x01" * n, pins.views, pins)  # type: ignore[arg-type]
+            return GetAnswer(b"\x01" * n, pins.views, pins,  # type: ignore[arg-type]
+                             lambda: self._count_get(ns, n, 0))
         return self._answer_get(ns, scoped, pins)
 
     def _count_get(self, ns: Namespace, hits: int, misses: int) -> None:
