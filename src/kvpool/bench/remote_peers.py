@@ -2,8 +2,9 @@
 process on loopback, like the kvpool node.
 
 Raw socket: the most Python can do over TCP. A threaded server (one thread per connection,
-blocking sockets) keeps one buffer per chunk number (the same working set as the stores) and
-answers GET by ``sendall`` of that buffer and PUT by ``recv_into`` it, with a 12-byte request
+blocking sockets) keeps one buffer per chunk number (the same working set as the stores; the
+bench PUTs each chunk before its GET passes, so a GET reads written memory) and answers GET
+by ``sendall`` of that buffer and PUT by ``recv_into`` it, with a 12-byte request
 header and a 1-byte PUT acknowledgement: no keys, no index, no checks. EXISTS is a
 16-byte-per-key request answered with 8 bytes.
 
