@@ -210,6 +210,9 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
             by_placement[placement[0]] = timings
         _add_rows(rows, "get", size, threads, by_placement, log)
 
+    for i in items:  # the raw server's PUT slots exist before the passes, as kvpool's arena does
+        if not sys_.raw[0].put(n + i, views[i % distinct]):
+            raise BenchFailure("the raw server did not store its chunks")
     put_pass = [0]
 
     def fresh(p: int, i: int) -> bytes:

@@ -3,7 +3,7 @@ process on loopback, like the kvpool node.
 
 Raw socket: the most Python can do over TCP. A threaded server (one thread per connection,
 blocking sockets) keeps one buffer per chunk number (the same working set as the stores; the
-bench PUTs each chunk before its GET passes, so a GET reads written memory) and answers GET
+bench writes every slot before its passes: no pass pays first-touch page faults) and answers GET
 by ``sendall`` of that buffer and PUT by ``recv_into`` it, with a 12-byte request
 header and a 1-byte PUT acknowledgement: no keys, no index, no checks. EXISTS is a
 16-byte-per-key request answered with 8 bytes.
