@@ -167,9 +167,7 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
     get_keys = [os.urandom(16) for _ in items]
     rkeys = [k.hex().encode() for k in get_keys]
     assert sys_.kv.put_many([(k, ns, views[i % distinct]) for i, k in enumerate(get_keys)]) == n
-    for i in items:  # the raw server's slots hold the same bytes, written before the passes
-        if not sys_.raw[0].put(i, views[i % distinct]):
-            raise BenchFailure("the raw server did not store its chunks")
+    _fill_raw(sys_.raw[0], [(i, views[i % distinct]) for i in items])  # the GET slots
     if sys_.redis is not None:
         for i, rk in enumerate(rkeys):
             sys_.redis.set(rk, views[i % distinct])
@@ -210,9 +208,7 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
             by_placement[placement[0]] = timings
         _add_rows(rows, "get", size, threads, by_placement, log)
 
-    for i in items:  # the raw server's PUT slots exist before the passes, as kvpool's arena does
-        if not sys_.raw[0].put(n + i, views[i % distinct]):
-            raise BenchFailure("the raw server did not store its chunks")
+    _fill_raw(sys_.raw[0], [(n + i, views[i % distinct]) for i in items])  # the PUT slots
     put_pass = [0]
 
     def fresh(p: int, i: int) -> bytes:
@@ -249,6 +245,15 @@ def _bench_size(sys_: _Systems, plan: RemotePlan, size: int, rows: list[Comparis
 
 
 UNPINNED: Placement = ("unpinned", None, None)
+
+
+def _fill_raw(raw: RawClient, slots: Sequence[tuple[int, memoryview]]) -> None:
+    """Write each (slot number, bytes) to the raw server before a case's passes, as kvpool's
+    and Redis's chunks are stored before theirs (and kvpool's arena is prefaulted): no timed
+    pass pays the raw server's first-touch page faults. Raises BenchFailure if one is not
+    acknowledged."""
+    if not all(raw.put(slot, data) for slot, data in slots):
+        raise BenchFailure("the raw server did not store its chunks")
 _Op = Callable[[int, int], bool]
 
 
@@ -336,8 +341,7 @@ def _bench_small_get(sys_: _Systems, plan: RemotePlan,
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     if sys_.kv.put_many([(k, ns, byte_view(data)) for k in keys]) != len(keys):
         raise BenchFailure("the small GET case could not store its chunks")
-    if not all(sys_.raw[0].put(slot, byte_view(data)) for slot in range(8)):
-        raise BenchFailure("the raw server did not store the small GET case's chunks")
+    _fill_raw(sys_.raw[0], [(slot, byte_view(data)) for slot in range(8)])
     out = np.zeros(size, np.uint8)
     view = byte_view(out, writable=True)
     kv, raw = sys_.kv, sys_.raw[0]
