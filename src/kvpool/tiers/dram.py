@@ -411,9 +411,9 @@ class DramTier:
 
     def unpin_batch(self, entries: Sequence[_Entry], keys: Sequence[bytes]) -> None:
         """Give back the pins of ``pin_batch`` (PinnedBatch.release; ``keys[i]`` is
-        ``entries[i]``'s), under one lock: each read is counted as a hit and touched in its
-        slot size's policy (unless the chunk was deleted meanwhile), as ``view`` counts at
-        once."""
+        ``entries[i]``'s), under one lock: each read is counted as a hit (as ``view`` counts
+        at once), and each chunk not deleted meanwhile is touched in its slot size's policy
+        (a deleted one's slot is freed at its last unpin)."""
         with self._lock:
             wake = False
             size, policy = -1, None
